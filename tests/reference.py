@@ -1,0 +1,45 @@
+"""Plain dense float64 references, written from the formulas and nothing else."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def margin_target(cos, s, m1, m2, m3):
+    """s·(cos(m1·θ + m2) − m3); past m1·θ + m2 = π, linear in cos (continuous at the threshold)."""
+    theta = jnp.arccos(jnp.clip(cos, -1.0, 1.0))
+    threshold = min((math.pi - m2) / m1, math.pi)
+    linear = cos - (math.cos(threshold) + 1.0)
+    value = jnp.where(m1 * theta + m2 <= math.pi, jnp.cos(m1 * theta + m2), linear)
+    return s * (value - m3)
+
+
+def dense_margin_loss(embeddings, weight, labels, s, m1, m2, m3, straight_through=False):
+    """Mean margin softmax cross-entropy over all C = weight.shape[0] classes."""
+    e = embeddings / jnp.linalg.norm(embeddings, axis=1, keepdims=True)
+    w = weight / jnp.linalg.norm(weight, axis=1, keepdims=True)
+    cos = e @ w.T
+    rows = jnp.arange(cos.shape[0])
+    target_cos = cos[rows, labels]
+    target = margin_target(target_cos, s, m1, m2, m3)
+    if straight_through:
+        target = s * target_cos + jax.lax.stop_gradient(target - s * target_cos)
+    logits = (s * cos).at[rows, labels].set(target)
+    return jnp.mean(jax.nn.logsumexp(logits, axis=1) - target)
+
+
+def value_and_grads(embeddings, weight, labels, margin):
+    """Loss and (d/d embeddings, d/d weight) in float64 for a ``CombinedMargin``."""
+    with jax.enable_x64(True):
+        f = lambda e, w: dense_margin_loss(e, w, labels, margin.s, margin.m1, margin.m2, margin.m3,
+                                           margin.straight_through)
+        loss, grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(np.asarray(embeddings, np.float64),
+                                                            np.asarray(weight, np.float64))
+        return float(loss), tuple(np.asarray(g) for g in grads)
+
+
+def rel_err(actual, expected):
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1e-30))

@@ -1,0 +1,72 @@
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxcls.losses import CombinedMargin, am_softmax, arcface, cosface, sphereface
+from reference import margin_target, rel_err
+
+MARGINS = {
+    "arcface": arcface(),
+    "arcface_st": arcface(straight_through=True),
+    "cosface": cosface(),
+    "sphereface": sphereface(),
+    "combined": CombinedMargin(s=64.0, m1=1.0, m2=0.3, m3=0.2),
+}
+
+
+def test_constructors_match_anchor_parameters():
+    assert (arcface().s, arcface().m2) == (64.0, 0.5)
+    assert (cosface().m3, sphereface().m1) == (0.4, 1.35)
+    assert am_softmax(30.0, 0.35) == CombinedMargin(s=30.0, m3=0.35)
+
+
+@pytest.mark.parametrize("name", sorted(MARGINS))
+def test_target_logit_and_gradient_match_float64_formula(name, rng):
+    margin = MARGINS[name]
+    cos = rng.uniform(-0.999, 0.999, size=512).astype(np.float32)
+    value, grad = jax.vmap(jax.value_and_grad(margin.target_logit))(jnp.asarray(cos))
+    with jax.enable_x64(True):
+        ref_fn = lambda c: margin_target(c, margin.s, margin.m1, margin.m2, margin.m3)
+        ref_value, ref_grad = jax.vmap(jax.value_and_grad(ref_fn))(cos.astype(np.float64))
+    assert rel_err(value, ref_value) < 1e-5
+    if margin.straight_through:
+        np.testing.assert_allclose(grad, margin.s)  # gradient of s·cos θ, no chain through the margin
+    else:
+        assert rel_err(grad, ref_grad) < 1e-4
+
+
+@pytest.mark.parametrize("name", sorted(MARGINS))
+def test_gradients_finite_at_the_edges(name):
+    margin = MARGINS[name]
+    edges = jnp.array([-1.0, -1.0 + 1e-7, -0.99, margin.threshold_cos, 0.0, 0.99, 1.0 - 1e-7, 1.0, 1.5, -1.5])
+    grads = jax.vmap(jax.grad(margin.target_logit))(edges)
+    assert np.all(np.isfinite(grads)), grads
+
+
+@pytest.mark.parametrize("name", ["arcface", "sphereface", "combined"])
+def test_continuous_and_monotone_past_pi(name):
+    """Where m1·θ + m2 > π the target logit keeps falling as θ grows, without a jump."""
+    margin = MARGINS[name]
+    cos = jnp.linspace(-1.0, 1.0, 20001)
+    logit = np.asarray(margin.target_logit(cos))
+    assert np.all(np.diff(logit) > -1e-4), "target logit must not rise as the angle grows"
+    assert np.max(np.abs(np.diff(logit))) < margin.s * 0.01, "no jump at the threshold"
+    # The fallback region exists for these margins and uses slope s.
+    t = margin.threshold_cos
+    assert t > -1.0
+    g = jax.grad(margin.target_logit)(jnp.float32((t - 1.0) / 2))
+    assert math.isclose(float(g), margin.s, rel_tol=1e-5)
+
+
+def test_cosface_is_exact_shift():
+    cos = jnp.linspace(-1, 1, 101)
+    np.testing.assert_allclose(cosface(s=10.0, m=0.4).target_logit(cos), 10.0 * (cos - 0.4), rtol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs", [dict(s=0.0), dict(m1=0.0), dict(m2=-0.1), dict(m2=4.0)])
+def test_invalid_margin_parameters(kwargs):
+    with pytest.raises(ValueError, match="margin"):
+        CombinedMargin(**kwargs)
