@@ -1,0 +1,25 @@
+"""Every benchmark's --small mode runs and writes well-formed JSON (no timing asserts)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = {"loss.py": {"loss", "ms", "temp_bytes"}}
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_small_mode_writes_json(script, tmp_path):
+    out = tmp_path / "result.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the script sets up its own devices
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--small", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["environment"]["backend"] and result["rows"]
+    for row in result["rows"]:
+        assert SCRIPTS[script] <= row.keys()
