@@ -85,7 +85,7 @@ def validate_labels(labels, num_classes: int) -> None:
                          f"({bad.size} bad labels in this batch)")
 
 
-def _validate(embeddings, weight, labels, mesh, class_axes, num_classes):
+def _validate(embeddings, weight, labels, mesh, class_axes, num_classes, row_classes):
     for a in class_axes:
         if a not in mesh.axis_names:
             raise ValueError(f"class axis {a!r} is not a mesh axis {mesh.axis_names}")
@@ -99,10 +99,15 @@ def _validate(embeddings, weight, labels, mesh, class_axes, num_classes):
         raise ValueError(f"batch size {n} is not divisible by the {n_dev} devices of the mesh {dict(mesh.shape)}")
     if weight.shape[1] != d:
         raise ValueError(f"embeddings have D={d} but the weight has D={weight.shape[1]}")
-    rows = padded_num_classes(num_classes, shards)
-    if weight.shape != (rows, d):
-        raise ValueError(f"weight has shape {weight.shape}; for num_classes={num_classes}, D={d} and "
-                         f"{shards} class shards it must be [{rows}, {d}] (see init_weight)")
+    if row_classes is not None:
+        if row_classes.shape != weight.shape[:1] or weight.shape[0] % shards:
+            raise ValueError(f"sampled weight {weight.shape} and row_classes {row_classes.shape} must have the "
+                             f"same number of rows, divisible by the {shards} class shards")
+    else:
+        rows = padded_num_classes(num_classes, shards)
+        if weight.shape != (rows, d):
+            raise ValueError(f"weight has shape {weight.shape}; for num_classes={num_classes}, D={d} and "
+                             f"{shards} class shards it must be [{rows}, {d}] (see init_weight)")
     if isinstance(weight, jax.Array) and not isinstance(weight, jax.core.Tracer):
         want = weight_sharding(mesh, class_axes)
         if not weight.sharding.is_equivalent_to(want, weight.ndim):
@@ -114,13 +119,14 @@ def _validate(embeddings, weight, labels, mesh, class_axes, num_classes):
 
 def sharded_margin_loss(embeddings: jax.Array, weight: jax.Array, labels: jax.Array, margin: CombinedMargin, *,
                         mesh: Mesh, class_axes=DEFAULT_CLASS_AXES, num_classes: int | None = None,
-                        chunk_size: int | None = None) -> jax.Array:
+                        chunk_size: int | None = None, row_classes: jax.Array | None = None) -> jax.Array:
     """Mean margin softmax cross-entropy with the FC weight sharded over ``class_axes``.
 
     Args:
       embeddings: ``[N, D]`` backbone output, batch sharded ``P(('data', 'class'), None)``.
         Its dtype is the matmul compute dtype (float32, bfloat16 or float16).
-      weight: ``[C_pad, D]`` class centres, ``P(class_axes, None)`` (see ``init_weight``).
+      weight: ``[C_pad, D]`` class centres, ``P(class_axes, None)`` (see ``init_weight``); or, with
+        ``row_classes``, a PartialFC sample of ``[R, D]`` rows (see ``jaxcls.partial_fc``).
       labels: ``[N]`` int global class ids, sharded like the embeddings.
       margin: a ``CombinedMargin``.
       class_axes: ``('data', 'class')`` (every device holds ``C_pad / n_devices`` rows) or
@@ -128,6 +134,8 @@ def sharded_margin_loss(embeddings: jax.Array, weight: jax.Array, labels: jax.Ar
       num_classes: the real C (default ``C_pad``); rows past it are padding.
       chunk_size: if set, logits are made and consumed ``chunk_size`` classes at a time
         (recomputed in the backward) so ``[N, C_local]`` is never held at once.
+      row_classes: ``[R]`` int32, ``P(class_axes)``: the global class id of each weight row, ascending
+        within each shard (``>= num_classes`` for padding). ``None`` means the full weight.
 
     Returns:
       The scalar float32 mean loss over the global batch, replicated.
@@ -136,47 +144,61 @@ def sharded_margin_loss(embeddings: jax.Array, weight: jax.Array, labels: jax.Ar
     ``[0, num_classes)`` makes the returned loss NaN (never a silent wrong loss).
     """
     class_axes = tuple(class_axes)
-    num_classes = weight.shape[0] if num_classes is None else num_classes
-    _validate(embeddings, weight, labels, mesh, class_axes, num_classes)
+    if num_classes is None:
+        if row_classes is not None:
+            raise ValueError("num_classes is required with row_classes")
+        num_classes = weight.shape[0]
+    _validate(embeddings, weight, labels, mesh, class_axes, num_classes, row_classes)
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if row_classes is None:
+        row_classes = _full_row_classes(weight.shape[0], mesh, class_axes)
     per_shard = partial(_per_shard_loss, margin=margin, class_axes=class_axes, num_classes=num_classes,
                         chunk_size=chunk_size, global_batch=embeddings.shape[0])
-    loss = jax.shard_map(per_shard, mesh=mesh, in_specs=(P(AXES, None), P(class_axes, None), P(AXES)),
-                         out_specs=P())(embeddings, weight, labels.astype(jnp.int32))
+    loss = jax.shard_map(per_shard, mesh=mesh, in_specs=(P(AXES, None), P(class_axes, None), P(AXES), P(class_axes)),
+                         out_specs=P())(embeddings, weight, labels.astype(jnp.int32), row_classes)
     invalid = jnp.any((labels < 0) | (labels >= num_classes))
     return jnp.where(invalid, jnp.nan, loss)
 
 
-def _per_shard_loss(embeddings, weight, labels, *, margin, class_axes, num_classes, chunk_size, global_batch):
-    """Inside shard_map: embeddings [N/W_all, D], weight [C_local, D], labels [N/W_all]."""
+def _full_row_classes(rows: int, mesh: Mesh, class_axes) -> jax.Array:
+    """``arange(rows)`` sharded ``P(class_axes)``: row r of the full weight is class r."""
+    return jax.lax.with_sharding_constraint(jnp.arange(rows, dtype=jnp.int32), NamedSharding(mesh, P(class_axes)))
+
+
+def local_rows_of(labels: jax.Array, row_classes: jax.Array) -> jax.Array:
+    """For each label, its row in the ascending ``row_classes`` of this shard, or -1 if absent."""
+    pos = jnp.minimum(jnp.searchsorted(row_classes, labels), row_classes.shape[0] - 1)
+    return jnp.where(row_classes[pos] == labels, pos, -1).astype(jnp.int32)
+
+
+def _per_shard_loss(embeddings, weight, labels, row_classes, *, margin, class_axes, num_classes, chunk_size,
+                    global_batch):
+    """Inside shard_map: embeddings [N/W_all, D], weight [R_local, D], labels [N/W_all], row_classes [R_local]."""
     data_axes = tuple(a for a in AXES if a not in class_axes)
     if data_axes:  # weight replicated over data: mark it varying so its gradient is summed over data
         weight = lax.pcast(weight, data_axes, to="varying")
     e_n = lax.all_gather(l2_normalize(embeddings).astype(embeddings.dtype), class_axes, tiled=True)
     labels = lax.all_gather(labels, class_axes, tiled=True)
-    c_local = weight.shape[0]
-    first_row = lax.axis_index(class_axes) * c_local
-    num_valid = jnp.clip(num_classes - first_row, 0, c_local)
-    local_labels = labels - first_row
-    local_labels = jnp.where((local_labels >= 0) & (local_labels < c_local), local_labels, -1)
-    if chunk_size is None or chunk_size >= c_local:
-        logits, tile_labels = _tile_logits(e_n, weight, local_labels, num_valid, 0, 0, margin)
+    local_labels = local_rows_of(labels, row_classes)
+    row_valid = row_classes < num_classes
+    if chunk_size is None or chunk_size >= weight.shape[0]:
+        logits, tile_labels = _tile_logits(e_n, weight, local_labels, row_valid, 0, 0, margin)
         losses = class_parallel_cross_entropy(logits, tile_labels, class_axes)
     else:
-        losses = _chunked_cross_entropy(e_n, weight, local_labels, num_valid, margin, class_axes, chunk_size)
+        losses = _chunked_cross_entropy(e_n, weight, local_labels, row_valid, margin, class_axes, chunk_size)
     total = jnp.sum(losses)
     if data_axes:
         total = lax.psum(total, data_axes)
     return total / global_batch
 
 
-def _tile_logits(e_n, w_tile, labels, num_valid, first_col, owned_from, margin):
+def _tile_logits(e_n, w_tile, labels, valid, first_col, owned_from, margin):
     """Margin logits ``[N, T]`` float32 of the class tile starting at local column ``first_col``.
 
-    Columns before ``owned_from`` (a tile overlapping its predecessor) and from
-    ``num_valid`` on (padding) get the fill value. Returns ``(logits, labels within
-    the tile or -1)``.
+    ``valid`` ``[T]`` marks real classes; columns before ``owned_from`` (a tile
+    overlapping its predecessor) and invalid ones get the fill value. Returns
+    ``(logits, labels within the tile or -1)``.
     """
     w_n = l2_normalize(w_tile).astype(e_n.dtype)
     cos = jnp.dot(e_n, w_n.T, preferred_element_type=jnp.float32)
@@ -186,7 +208,7 @@ def _tile_logits(e_n, w_tile, labels, num_valid, first_col, owned_from, margin):
     columns = first_col + lax.broadcasted_iota(jnp.int32, cos.shape, 1)
     is_target = columns == (rel + first_col)[:, None]
     logits = jnp.where(is_target, margin.target_logit(local_target(cos, rel))[:, None], margin.logits(cos))
-    owned = (columns >= owned_from) & (columns < num_valid)
+    owned = (columns >= owned_from) & valid[None, :]
     return jnp.where(owned, logits, masked_fill_value(jnp.float32)), rel
 
 
@@ -196,20 +218,25 @@ def _tile_starts(c_local: int, tile: int, i):
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _chunked_cross_entropy(e_n, weight, labels, num_valid, margin, axis_name, chunk_size):
+def _chunked_cross_entropy(e_n, weight, labels, row_valid, margin, axis_name, chunk_size):
     """Per-example losses ``[N]`` like the unchunked path, holding one ``[N, chunk]`` tile at a time."""
-    return _chunked_forward(e_n, weight, labels, num_valid, margin, axis_name, chunk_size)[0]
+    return _chunked_forward(e_n, weight, labels, row_valid, margin, axis_name, chunk_size)[0]
 
 
-def _chunked_forward(e_n, weight, labels, num_valid, margin, axis_name, chunk_size):
+def _tile(weight, row_valid, first, chunk_size):
+    return (lax.dynamic_slice_in_dim(weight, first, chunk_size),
+            lax.dynamic_slice_in_dim(row_valid, first, chunk_size))
+
+
+def _chunked_forward(e_n, weight, labels, row_valid, margin, axis_name, chunk_size):
     c_local = weight.shape[0]
     n_tiles = -(-c_local // chunk_size)
 
     def step(carry, i):
         row_max, row_sum, target = carry
         first, owned = _tile_starts(c_local, chunk_size, i)
-        w_tile = lax.dynamic_slice_in_dim(weight, first, chunk_size)
-        logits, rel = _tile_logits(e_n, w_tile, labels, num_valid, first, owned, margin)
+        w_tile, valid = _tile(weight, row_valid, first, chunk_size)
+        logits, rel = _tile_logits(e_n, w_tile, labels, valid, first, owned, margin)
         new_max = jnp.maximum(row_max, jnp.max(logits, axis=1))
         row_sum = row_sum * jnp.exp(row_max - new_max) + jnp.sum(jnp.exp(logits - new_max[:, None]), axis=1)
         return (new_max, row_sum, target + local_target(logits, rel)), None
@@ -218,18 +245,18 @@ def _chunked_forward(e_n, weight, labels, num_valid, margin, axis_name, chunk_si
     init = (zeros + masked_fill_value(jnp.float32), zeros, zeros)
     (row_max, row_sum, target), _ = lax.scan(step, init, jnp.arange(n_tiles))
     lse, loss = combine_stats(row_max, row_sum, target, axis_name)
-    return loss, (e_n, weight, labels, num_valid, lse)
+    return loss, (e_n, weight, labels, row_valid, lse)
 
 
 def _chunked_backward(margin, axis_name, chunk_size, residuals, g):
-    e_n, weight, labels, num_valid, lse = residuals
+    e_n, weight, labels, row_valid, lse = residuals
     c_local = weight.shape[0]
 
     def step(carry, i):
         d_e, d_w = carry
         first, owned = _tile_starts(c_local, chunk_size, i)
-        w_tile = lax.dynamic_slice_in_dim(weight, first, chunk_size)
-        tile_fn = lambda e, w: _tile_logits(e, w, labels, num_valid, first, owned, margin)
+        w_tile, valid = _tile(weight, row_valid, first, chunk_size)
+        tile_fn = lambda e, w: _tile_logits(e, w, labels, valid, first, owned, margin)
         logits, pullback, rel = jax.vjp(tile_fn, e_n, w_tile, has_aux=True)
         d_e_tile, d_w_tile = pullback(softmax_minus_onehot(logits, rel, lse, 0) * g[:, None])
         d_w = lax.dynamic_update_slice_in_dim(d_w, lax.dynamic_slice_in_dim(d_w, first, chunk_size) + d_w_tile,
