@@ -49,15 +49,19 @@ class SparseOptimizer(NamedTuple):
         slots = tuple(jnp.zeros_like(weight, dtype=dtype) for _ in range(self.num_slots))
         return SparseState(slots, jnp.zeros((), jnp.int32))
 
-    def update(self, weight: jax.Array, state: SparseState, rows: jax.Array, grads: jax.Array, lr, *,
+    def update(self, weight: jax.Array, state: SparseState, rows: jax.Array | None, grads: jax.Array, lr, *,
                mesh: Mesh, class_axes=DEFAULT_CLASS_AXES) -> tuple[jax.Array, SparseState]:
         """Apply one step to the rows ``rows`` (``[W·B]``, local indices, ``P(class_axes)``).
 
         ``grads`` ``[W·B, D]`` is the gradient w.r.t. the gathered rows (``P(class_axes, None)``).
+        ``rows=None`` updates every row (``grads`` is then ``[C_pad, D]``), without gather or scatter.
         Returns the new weight and state; donate the old ones to update in place.
         """
         class_axes = tuple(class_axes)
         count = state.count + 1
+        if rows is None:
+            weight, slots = _rule_in_float32(self.rule, weight, state.slots, grads, lr, count)
+            return weight, SparseState(slots, count)
         row_spec, matrix_spec = P(class_axes), P(class_axes, None)
         apply = partial(_apply_rows, rule=self.rule)
         weight, slots = jax.shard_map(
@@ -68,12 +72,18 @@ class SparseOptimizer(NamedTuple):
         return weight, SparseState(slots, count)
 
 
+def _rule_in_float32(rule, weight, slots, grads, lr, count):
+    """Run ``rule`` in float32; results come back in the storage dtypes of ``weight`` and ``slots``."""
+    f32 = lambda x: x.astype(jnp.float32)
+    new_w, new_slots = rule(f32(weight), tuple(map(f32, slots)), f32(grads), lr, count)
+    return new_w.astype(weight.dtype), tuple(n.astype(s.dtype) for s, n in zip(slots, new_slots))
+
+
 def _apply_rows(weight, slots, rows, grads, lr, count, *, rule):
     """Inside shard_map: gather ``rows``, update in float32, scatter back in the storage dtypes."""
-    f32 = lambda x: x.astype(jnp.float32)
-    new_w, new_slots = rule(f32(weight[rows]), tuple(f32(s[rows]) for s in slots), f32(grads), lr, count)
-    weight = weight.at[rows].set(new_w.astype(weight.dtype), unique_indices=True)
-    slots = tuple(s.at[rows].set(n.astype(s.dtype), unique_indices=True) for s, n in zip(slots, new_slots))
+    new_w, new_slots = _rule_in_float32(rule, weight[rows], tuple(s[rows] for s in slots), grads, lr, count)
+    weight = weight.at[rows].set(new_w, unique_indices=True)
+    slots = tuple(s.at[rows].set(n, unique_indices=True) for s, n in zip(slots, new_slots))
     return weight, slots
 
 

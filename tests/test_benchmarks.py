@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = {"loss.py": {"loss", "ms", "temp_bytes"}}
+SCRIPTS = {
+    "loss.py": {"loss", "ms", "temp_bytes"},
+    "fc_memory.py": {"C", "sample_rate", "dtype", "temp_bytes", "bytes_per_class"},
+}
 
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))

@@ -154,6 +154,21 @@ def test_sparse_update_equals_optax_on_sampled_rows_and_leaves_others(mesh_shape
     assert int(new_state.count) == int(state.count) + 1
 
 
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_dense_update_equals_update_of_every_row(name, rng):
+    mesh = make_mesh(2, 4)
+    opt = {"sgd": sgd(), "adamw": adamw()}[name]
+    weight = init_weight(jax.random.key(int(rng.integers(2**31))), 8 * 6, 8, mesh, stddev=1.0)
+    state = opt.init(weight)
+    grads = jax.device_put(rng.normal(size=weight.shape).astype(np.float32), weight.sharding)
+    every_row = jax.device_put(np.tile(np.arange(6, dtype=np.int32), 8), jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(("data", "class"))))
+    step = jax.jit(partial(opt.update, mesh=mesh))
+    dense, sparse = step(weight, state, None, grads, 0.1), step(weight, state, every_row, grads, 0.1)
+    for a, b in zip(jax.tree.leaves(dense), jax.tree.leaves(sparse)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_compact_state_updates_in_float32_and_stores_rounded(dtype, rng):
     mesh = make_mesh(2, 4)

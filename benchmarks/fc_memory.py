@@ -1,0 +1,90 @@
+"""Compiled per-device memory of one FC step, and bytes per class.
+
+One FC step = PartialFC sampling + gather of the sampled rows + sharded margin loss + gradients
+(embeddings and sampled rows) + sparse SGD-momentum update, under one jit with the weight and optimizer
+state donated. Only compiled (``memory_analysis()``), never run, so large C can be examined on a CPU.
+
+    python benchmarks/fc_memory.py                 # C up to 40M on one device, D=512, N=128
+    python benchmarks/fc_memory.py --devices 8     # the same split over 8 (simulated CPU) devices
+    python benchmarks/fc_memory.py --small         # seconds; what the test suite runs
+
+bytes/class = (arguments + outputs − donated aliases + temporaries) × devices / C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from common import force_cpu_devices
+
+if "--devices" in sys.argv:
+    force_cpu_devices(int(sys.argv[sys.argv.index("--devices") + 1]))
+elif "--small" in sys.argv:
+    force_cpu_devices(8)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from common import print_table, write_json  # noqa: E402
+
+from jaxcls import batch_sharding, make_mesh  # noqa: E402
+from jaxcls.fc import FCHead  # noqa: E402
+from jaxcls.losses import arcface, padded_num_classes, weight_sharding  # noqa: E402
+from jaxcls.mesh import replicated  # noqa: E402
+from jaxcls.sparse_fc import sgd  # noqa: E402
+
+
+def fc_step_memory(mesh, c, n, d, rate, dtype, chunk_size):
+    head = FCHead(mesh, c, d, arcface(), sgd(), sample_rate=rate, chunk_size=chunk_size, dtype=dtype)
+
+    def step(weight, fc_state, emb, labels, key):
+        sample, rows = head.select(key, weight, labels)
+        loss_fn = lambda e, r: head.loss(e, r, labels, sample)
+        loss, (g_emb, g_rows) = jax.value_and_grad(loss_fn, argnums=(0, 1))(emb, rows)
+        weight, fc_state = head.update(weight, fc_state, sample, g_rows, 0.1)
+        return weight, fc_state, loss, g_emb
+
+    weight, fc_state = jax.eval_shape(head.init, jax.random.key(0))
+    w_abs = jax.ShapeDtypeStruct(weight.shape, weight.dtype, sharding=weight_sharding(mesh))
+    state_abs = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=(
+        weight_sharding(mesh) if s.ndim else replicated(mesh))), fc_state)
+    compute = jnp.float32 if dtype == jnp.float32 else jnp.bfloat16
+    emb = jax.ShapeDtypeStruct((n, d), compute, sharding=batch_sharding(mesh))
+    labels = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=batch_sharding(mesh))
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(w_abs, state_abs, emb, labels, jax.random.key(0)).compile()
+    m = compiled.memory_analysis()
+    total = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+    return {"C": c, "sample_rate": rate, "dtype": jnp.dtype(dtype).name, "chunk": chunk_size, "N": n, "D": d,
+            "devices": mesh.size, "argument_bytes": int(m.argument_size_in_bytes), "temp_bytes": int(m.temp_size_in_bytes),
+            "alias_bytes": int(m.alias_size_in_bytes), "total_bytes_per_device": int(total),
+            "GiB_per_device": total / 2**30, "bytes_per_class": total * mesh.size / c}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--devices", type=int, default=None, help="simulate this many CPU devices")
+    parser.add_argument("--small", action="store_true")
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--out", default="benchmarks/results/fc_memory.json")
+    args = parser.parse_args()
+    if args.small:
+        grid, n, d = [65_536], 64, 128
+    else:
+        grid, n, d = [1 << 20, 8 << 20, 30_000_000, 40_000_000], args.batch, args.dim
+    mesh = make_mesh()
+    rows = []
+    for c in grid:
+        for dtype in (jnp.float32, jnp.bfloat16):
+            for rate, chunk in ((1.0, None), (1.0, 65_536), (0.1, None), (0.1, 65_536)):
+                c_local = padded_num_classes(c, mesh.size) // mesh.size
+                if chunk is not None and chunk >= rate * c_local:
+                    chunk = max(1, int(rate * c_local) // 4)
+                rows.append(fc_step_memory(mesh, c, n, d, rate, dtype, chunk))
+    print_table(rows, ["C", "devices", "sample_rate", "dtype", "chunk", "GiB_per_device", "temp_bytes",
+                       "bytes_per_class"])
+    write_json(args.out, rows)
+
+
+if __name__ == "__main__":
+    main()
