@@ -1,0 +1,67 @@
+"""insightface's IResNet (r18 … r200) in Flax NNX, NHWC, 112×112 → 512-d.
+
+stem conv3×3(64)–BN–PReLU; four stages of IBasicBlocks (64, 128, 256, 512 channels), each starting with
+stride 2; block = BN–conv3×3–BN–PReLU–conv3×3(stride)–BN plus a 1×1-conv+BN shortcut when the shape
+changes; head BN → dropout → flatten → FC(+bias) → BN whose scale is frozen at 1 (no scale parameter).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxcls.models.layers import BatchNorm, PReLU, conv, remat_call, tag_block_output
+
+STAGES = {"r18": (2, 2, 2, 2), "r34": (3, 4, 6, 3), "r50": (3, 4, 14, 3), "r100": (3, 13, 30, 3),
+          "r200": (6, 26, 60, 6)}
+WIDTHS = (64, 128, 256, 512)
+_CONV_INIT = nnx.initializers.normal(0.1)  # arcface_torch initialises every conv with N(0, 0.1)
+
+
+class IBasicBlock(nnx.Module):
+    def __init__(self, in_ch: int, out_ch: int, stride: int, *, dtype, rngs: nnx.Rngs):
+        self.bn1 = BatchNorm(in_ch, dtype=dtype)
+        self.conv1 = conv(in_ch, out_ch, 3, padding=1, dtype=dtype, rngs=rngs, init=_CONV_INIT)
+        self.bn2 = BatchNorm(out_ch, dtype=dtype)
+        self.prelu = PReLU(out_ch)
+        self.conv2 = conv(out_ch, out_ch, 3, stride, padding=1, dtype=dtype, rngs=rngs, init=_CONV_INIT)
+        self.bn3 = BatchNorm(out_ch, dtype=dtype)
+        reshape = stride != 1 or in_ch != out_ch
+        self.downsample = nnx.Sequential(
+            conv(in_ch, out_ch, 1, stride, padding=0, dtype=dtype, rngs=rngs, init=_CONV_INIT),
+            BatchNorm(out_ch, dtype=dtype)) if reshape else None
+
+    def __call__(self, x):
+        out = self.bn3(self.conv2(self.prelu(self.bn2(self.conv1(self.bn1(x))))))
+        shortcut = x if self.downsample is None else self.downsample(x)
+        return tag_block_output(out + shortcut)
+
+
+class IResNet(nnx.Module):
+    """``__call__(images [N, 112, 112, 3]) -> [N, num_features]`` float32."""
+
+    def __init__(self, stages=STAGES["r50"], *, num_features: int = 512, dropout: float = 0.0,
+                 dtype=jnp.float32, remat: str = "none", input_size: int = 112, rngs: nnx.Rngs):
+        self.remat = remat
+        self.dtype = dtype
+        self.conv1 = conv(3, 64, 3, padding=1, dtype=dtype, rngs=rngs, init=_CONV_INIT)
+        self.bn1 = BatchNorm(64, dtype=dtype)
+        self.prelu = PReLU(64)
+        blocks, in_ch = [], 64
+        for depth, width in zip(stages, WIDTHS):
+            for i in range(depth):
+                blocks.append(IBasicBlock(in_ch, width, 2 if i == 0 else 1, dtype=dtype, rngs=rngs))
+                in_ch = width
+        self.blocks = nnx.List(blocks)
+        self.bn2 = BatchNorm(512, dtype=dtype)
+        self.dropout = nnx.Dropout(dropout, rngs=rngs)
+        spatial = input_size // 16
+        self.fc = nnx.Linear(512 * spatial * spatial, num_features, dtype=jnp.float32, rngs=rngs)
+        self.features = BatchNorm(num_features, dtype=jnp.float32, use_scale=False)
+
+    def __call__(self, x):
+        x = self.prelu(self.bn1(self.conv1(x.astype(self.dtype))))
+        for block in self.blocks:
+            x = remat_call(block, x, self.remat)
+        x = self.dropout(self.bn2(x).reshape(x.shape[0], -1))
+        return self.features(self.fc(x.astype(jnp.float32)))

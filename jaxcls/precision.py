@@ -1,0 +1,69 @@
+"""Precision policies and dynamic loss scaling for float16.
+
+Parameters and optimizer state are float32; the backbone computes in ``compute_dtype``; BatchNorm
+statistics, the FC softmax and the loss are float32. float16 needs dynamic loss scaling: the loss is
+multiplied by ``scale`` before differentiation and the gradients divided by it; a step whose gradients
+are not all finite is skipped (parameters, optimizer state and BatchNorm statistics unchanged) and the
+scale halved; after ``growth_interval`` finite steps in a row the scale doubles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def compute_dtype(name: str):
+    if name not in DTYPES:
+        raise ValueError(f"unknown precision {name!r}; choose one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+class ScaleState(NamedTuple):
+    scale: jax.Array  # float32 scalar
+    good_steps: jax.Array  # int32 scalar: finite steps since the last change
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicLossScale:
+    """torch.cuda.amp.GradScaler semantics (arcface_torch uses ``growth_interval=100``)."""
+
+    initial_scale: float = 2.0**16
+    growth_interval: int = 100
+    factor: float = 2.0
+    enabled: bool = True
+
+    def init(self) -> ScaleState:
+        return ScaleState(jnp.float32(self.initial_scale if self.enabled else 1.0), jnp.int32(0))
+
+    def scale_loss(self, loss, state: ScaleState):
+        return loss * state.scale if self.enabled else loss
+
+    def unscale(self, grads, state: ScaleState):
+        if not self.enabled:
+            return grads
+        return jax.tree.map(lambda g: (g.astype(jnp.float32) / state.scale).astype(g.dtype), grads)
+
+    def adjust(self, state: ScaleState, finite) -> ScaleState:
+        """Next state after a step whose gradients were (not) all finite."""
+        if not self.enabled:
+            return state
+        grow = finite & (state.good_steps + 1 >= self.growth_interval)
+        scale = jnp.where(finite, jnp.where(grow, state.scale * self.factor, state.scale), state.scale / self.factor)
+        good = jnp.where(finite & ~grow, state.good_steps + 1, 0)
+        return ScaleState(scale.astype(jnp.float32), good.astype(jnp.int32))
+
+
+def all_finite(tree) -> jax.Array:
+    """True when every element of every leaf is finite."""
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def select_tree(pred, on_true, on_false):
+    """``on_true`` where ``pred`` (a scalar) else ``on_false``, leaf by leaf."""
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)

@@ -1,0 +1,186 @@
+"""Backbones, precision policies, remat and fused ops."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxcls.models import MODELS, count_params, get_model
+from jaxcls.models.iresnet import STAGES
+from jaxcls.models.layers import fused_silu
+from jaxcls.precision import DynamicLossScale, all_finite, select_tree
+from reference import rel_err
+
+
+def iresnet_params(stages, nf=512):
+    """Trainable parameters of insightface's IResNet, counted from its definition (features BN: bias only)."""
+    total = 3 * 64 * 9 + 2 * 64 + 64  # stem conv, BN, PReLU
+    cin = 64
+    for depth, width in zip(stages, (64, 128, 256, 512)):
+        for i in range(depth):
+            total += 2 * cin + cin * width * 9 + 2 * width + width + width * width * 9 + 2 * width
+            if i == 0:
+                total += cin * width + 2 * width  # 1×1 downsample + BN
+            cin = width
+    return total + 2 * 512 + (512 * 49 * nf + nf) + nf
+
+
+def mbf_params(blocks=(1, 4, 6, 2), scale=2, nf=512):
+    """arcface_torch's MobileFaceNet: conv(no bias) + BN (2/ch) + PReLU (1/ch) per ConvBlock."""
+    conv_block = lambda cin, cout, k, groups=1, prelu=True: cin // groups * cout * k * k + 2 * cout + (cout if prelu else 0)
+    depthwise = lambda cin, cout, g: conv_block(cin, g, 1) + conv_block(g, g, 3, g) + conv_block(g, cout, 1, prelu=False)
+    c1, c2 = 64 * scale, 128 * scale
+    total = conv_block(3, c1, 3) + conv_block(c1, c1, 3, 64)
+    total += depthwise(c1, c1, 128) + blocks[1] * depthwise(c1, c1, 128)
+    total += depthwise(c1, c2, 256) + blocks[2] * depthwise(c2, c2, 256)
+    total += depthwise(c2, c2, 512) + blocks[3] * depthwise(c2, c2, 256)
+    total += conv_block(c2, 512, 1) + conv_block(512, 512, 7, 512, prelu=False)
+    return total + 512 * nf + 2 * nf
+
+
+def vit_params(dim, depth, nf=512, tokens=144, patch=9):
+    block = 2 * dim + 3 * dim * dim + dim * dim + dim + 2 * dim + dim * 4 * dim + 4 * dim + 4 * dim * dim + dim
+    head = dim * tokens * dim + 2 * dim + dim * nf + 2 * nf
+    return 3 * dim * patch * patch + dim + tokens * dim + dim + depth * block + 2 * dim + head
+
+
+EXPECTED = {  # also in docs/models.md
+    "r18": 24_025_088, "r34": 34_138_816, "r50": 43_590_336, "r100": 65_155_648, "r200": 118_833_408,
+    "mbf": 2_059_520, "vit_t": 19_137_792, "vit_s": 76_023_296, "vit_b": 113_833_472,
+}
+
+
+def test_expected_counts_follow_from_the_architectures():
+    for name, stages in STAGES.items():
+        assert iresnet_params(stages) == EXPECTED[name], name
+    assert mbf_params() == EXPECTED["mbf"]
+    assert (vit_params(256, 12), vit_params(512, 12), vit_params(512, 24)) == (
+        EXPECTED["vit_t"], EXPECTED["vit_s"], EXPECTED["vit_b"])
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_parameter_count_and_output_shape(name):
+    model = nnx.eval_shape(lambda: get_model(name))
+    assert count_params(model) == EXPECTED[name]
+    for dtype in (jnp.float32, jnp.bfloat16):
+        model = nnx.eval_shape(lambda: get_model(name, num_features=128, dtype=dtype))
+        out = nnx.eval_shape(lambda m, x: m(x), model, jax.ShapeDtypeStruct((2, 112, 112, 3), jnp.float32))
+        assert out.shape == (2, 128) and out.dtype == jnp.float32
+
+
+def small(name, **kwargs):
+    size = 18 if name.startswith("vit") else 32
+    return get_model(name, num_features=16, input_size=size, **kwargs), size
+
+
+def loss_of(model, x):
+    return jnp.sum(model(x) ** 2)
+
+
+def param_grads(model, x):
+    """Compiled gradient of ``loss_of`` w.r.t. the parameters, and the compiled function."""
+    graphdef, state = nnx.split(model)
+    f = jax.jit(lambda state, x: nnx.grad(loss_of)(nnx.merge(graphdef, state), x))
+    return f.lower(state, x).compile(), f(state, x)
+
+
+@pytest.mark.parametrize("name", ["r18", "mbf", "vit_t"])
+def test_gradients_finite(name, rng):
+    model, size = small(name)
+    x = jnp.asarray(rng.normal(size=(4, size, size, 3)), jnp.float32)
+    _, grads = param_grads(model, x)
+    assert all_finite(grads) and float(sum(jnp.abs(g).sum() for g in jax.tree.leaves(grads))) > 0
+
+
+@pytest.mark.parametrize("name", ["r18", "mbf"])
+def test_bfloat16_outputs_agree_with_float32(name, rng):
+    x = jnp.asarray(rng.normal(size=(4, 32, 32, 3)), jnp.float32)
+    outs = []
+    for dtype in (jnp.float32, jnp.bfloat16):
+        model, _ = small(name, dtype=dtype)
+        model.eval()
+        outs.append(model(x))
+    assert outs[1].dtype == jnp.float32
+    assert rel_err(outs[1], outs[0]) < 5e-2
+
+
+def residual_bytes(name, remat, batch=16):
+    """Bytes the forward keeps for the backward (the vjp's residuals) at 112×112, by abstract evaluation.
+
+    XLA:CPU's scheduler runs recomputation early, so compiled temp memory on CPU does not show what
+    remat saves on a GPU (docs/models.md); the residuals are what remat controls on every backend.
+    """
+    model = nnx.eval_shape(lambda: get_model(name, remat=remat))
+    model.eval()  # statistics frozen: the model is a pure function of its parameters under jax.vjp
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    x = jax.ShapeDtypeStruct((batch, 112, 112, 3), jnp.float32)
+    pullback = jax.eval_shape(lambda p, r, x: jax.vjp(lambda p: loss_of(nnx.merge(graphdef, p, r), x), p)[1],
+                              params, rest, x)
+    return sum(r.size * r.dtype.itemsize for r in jax.tree.leaves(pullback))
+
+
+@pytest.mark.parametrize("policy", ["full", "save_dots", "save_block_outputs"])
+def test_remat_lowers_saved_activations_not_values(policy, rng):
+    assert residual_bytes("r18", policy) < 0.8 * residual_bytes("r18", "none")
+    x = jnp.asarray(rng.normal(size=(4, 32, 32, 3)), jnp.float32)
+    _, g_plain = param_grads(small("r18")[0], x)
+    _, g_remat = param_grads(small("r18", remat=policy)[0], x)
+    for a, b in zip(jax.tree.leaves(g_plain), jax.tree.leaves(g_remat)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_unknown_model_and_remat_policy():
+    with pytest.raises(ValueError, match="unknown model 'r51'"):
+        get_model("r51")
+    model, _ = small("r18", remat="sometimes")
+    with pytest.raises(ValueError, match="unknown remat policy 'sometimes'"):
+        model(jnp.zeros((2, 32, 32, 3)))
+
+
+def test_fused_silu_matches_autodiff_in_float64(rng):
+    x = rng.normal(size=1000) * 6
+    g = rng.normal(size=1000)
+    with jax.enable_x64(True):
+        out, pullback = jax.vjp(fused_silu, jnp.asarray(x))
+        ref_out, ref_pullback = jax.vjp(lambda v: v * jax.nn.sigmoid(v), jnp.asarray(x))
+        assert rel_err(out, ref_out) < 1e-6  # the backward computes in float32
+        assert rel_err(pullback(jnp.asarray(g))[0], ref_pullback(jnp.asarray(g))[0]) < 1e-6
+
+
+def test_fused_silu_saves_only_its_input():
+    x = jax.ShapeDtypeStruct((256, 1024), jnp.float32)
+    residual_bytes = lambda f: sum(r.size * r.dtype.itemsize for r in jax.tree.leaves(
+        jax.eval_shape(lambda v: jax.vjp(f, v)[1], x)))
+    assert residual_bytes(fused_silu) == 256 * 1024 * 4
+    assert residual_bytes(jax.nn.silu) > residual_bytes(fused_silu)
+
+
+class TestLossScale:
+    scaler = DynamicLossScale(initial_scale=1024.0, growth_interval=3)
+
+    def test_skips_nonfinite_step_and_halves(self):
+        params = {"w": jnp.ones(3)}
+        grads = {"w": jnp.array([1.0, jnp.inf, 2.0])}
+        state = self.scaler.init()
+        finite = all_finite(self.scaler.unscale(grads, state))
+        new_params = select_tree(finite, jax.tree.map(lambda p, g: p - g, params, grads), params)
+        assert not bool(finite)
+        np.testing.assert_array_equal(new_params["w"], params["w"])
+        state = self.scaler.adjust(state, finite)
+        assert float(state.scale) == 512.0 and int(state.good_steps) == 0
+
+    def test_grows_after_interval_of_finite_steps(self):
+        state = self.scaler.init()
+        scales = []
+        for _ in range(7):
+            state = self.scaler.adjust(state, jnp.bool_(True))
+            scales.append(float(state.scale))
+        assert scales == [1024, 1024, 2048, 2048, 2048, 4096, 4096]
+
+    def test_unscale_divides_and_disabled_is_identity(self):
+        state = self.scaler.init()
+        g = self.scaler.unscale({"w": jnp.array([1024.0, 2048.0])}, state)
+        np.testing.assert_array_equal(g["w"], [1.0, 2.0])
+        off = DynamicLossScale(enabled=False)
+        assert float(off.scale_loss(3.0, off.init())) == 3.0
