@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = {
     "loss.py": {"loss", "ms", "temp_bytes"},
     "fc_memory.py": {"C", "sample_rate", "dtype", "temp_bytes", "bytes_per_class"},
+    "backbone_memory.py": {"model", "dtype", "remat", "saved_bytes", "temp_bytes"},
 }
 
 

@@ -41,22 +41,25 @@ class IResNet(nnx.Module):
     """``__call__(images [N, 112, 112, 3]) -> [N, num_features]`` float32."""
 
     def __init__(self, stages=STAGES["r50"], *, num_features: int = 512, dropout: float = 0.0,
-                 dtype=jnp.float32, remat: str = "none", input_size: int = 112, rngs: nnx.Rngs):
+                 dtype=jnp.float32, remat: str = "none", input_size: int = 112, width: int = 64,
+                 rngs: nnx.Rngs):
+        """``width`` scales every stage (64 is insightface's; smaller widths suit CPU recipes)."""
         self.remat = remat
         self.dtype = dtype
-        self.conv1 = conv(3, 64, 3, padding=1, dtype=dtype, rngs=rngs, init=_CONV_INIT)
-        self.bn1 = BatchNorm(64, dtype=dtype)
-        self.prelu = PReLU(64)
-        blocks, in_ch = [], 64
-        for depth, width in zip(stages, WIDTHS):
+        widths = [w * width // 64 for w in WIDTHS]
+        self.conv1 = conv(3, widths[0], 3, padding=1, dtype=dtype, rngs=rngs, init=_CONV_INIT)
+        self.bn1 = BatchNorm(widths[0], dtype=dtype)
+        self.prelu = PReLU(widths[0])
+        blocks, in_ch = [], widths[0]
+        for depth, width in zip(stages, widths):
             for i in range(depth):
                 blocks.append(IBasicBlock(in_ch, width, 2 if i == 0 else 1, dtype=dtype, rngs=rngs))
                 in_ch = width
         self.blocks = nnx.List(blocks)
-        self.bn2 = BatchNorm(512, dtype=dtype)
+        self.bn2 = BatchNorm(in_ch, dtype=dtype)
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
         spatial = input_size // 16
-        self.fc = nnx.Linear(512 * spatial * spatial, num_features, dtype=jnp.float32, rngs=rngs)
+        self.fc = nnx.Linear(in_ch * spatial * spatial, num_features, dtype=jnp.float32, rngs=rngs)
         self.features = BatchNorm(num_features, dtype=jnp.float32, use_scale=False)
 
     def __call__(self, x):

@@ -1,0 +1,53 @@
+"""Verification of a trained run: ``python -m jaxcls.eval --workdir runs/x --bin lfw.bin [--bin b.bin]``.
+
+Loads the run's resolved config and its latest (or ``--step``) checkpoint onto the devices here, prints a
+table and writes ``<workdir>/eval_<step>.json``. ``--export DIR`` also writes the backbone alone.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import ml_collections
+from absl import app, flags
+
+from jaxcls import checkpoint as ckpt
+from jaxcls.export import export_backbone
+from jaxcls.train import build, checkpoint_manager, eval_sets, make_embed, restore, verify
+
+flags.DEFINE_string("workdir", None, "the training run's workdir", required=True)
+flags.DEFINE_multi_string("bin", [], "verification .bin files (default: the run's own eval sets)")
+flags.DEFINE_integer("step", None, "checkpoint step (default: latest)")
+flags.DEFINE_string("export", None, "also export the backbone to this folder")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    workdir = Path(FLAGS.workdir)
+    config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
+    if FLAGS.bin:
+        config.eval_bins = list(FLAGS.bin)
+    run, state = build(config, with_data=False)
+    manager = checkpoint_manager(workdir, config)
+    if manager.latest_step() is None:
+        raise SystemExit(f"no checkpoint in {workdir / 'checkpoints'}")
+    state, _ = restore(manager, ckpt.abstract_like(state), FLAGS.step)
+    step = int(state["step"])
+    results = verify(run, state, eval_sets(config, run.source), make_embed(run))
+    names = sorted({k.split("/")[1] for k in results})
+    print(f"step {step}")
+    print(f"{'set':<16} {'accuracy':>10} {'std':>8} {'threshold':>10} {'xnorm':>8}")
+    for n in names:
+        r = {k.split("/")[2]: v for k, v in results.items() if k.split("/")[1] == n}
+        print(f"{n:<16} {r['accuracy']:>10.4f} {r['accuracy_std']:>8.4f} {r['best_threshold']:>10.3f} {r['xnorm']:>8.2f}")
+    out = workdir / f"eval_{step}.json"
+    out.write_text(json.dumps({"step": step, **results}, indent=1))
+    print(f"wrote {out}")
+    if FLAGS.export:
+        export_backbone(config, state, FLAGS.export)
+        print(f"exported the backbone to {FLAGS.export}")
+
+
+if __name__ == "__main__":
+    app.run(main)

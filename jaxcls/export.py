@@ -1,0 +1,42 @@
+"""Backbone-only export for inference: parameters and BatchNorm statistics, with the config to rebuild it."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import jax
+import ml_collections
+from flax import nnx
+
+from jaxcls import checkpoint as ckpt
+from jaxcls.models import get_model
+from jaxcls.precision import compute_dtype
+
+
+def export_backbone(config, state: dict, out: str | os.PathLike) -> None:
+    """Write ``out/config.json`` and ``out/backbone`` (params + stats as global arrays, replicated)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(config.to_json_best_effort(indent=2))
+    ckpt.save(out / "backbone", {"params": state["params"], "stats": state["stats"]})
+
+
+def _model(config):
+    return get_model(config.model, config.num_features, dtype=compute_dtype(config.precision),
+                     input_size=config.data.input_size, **config.model_kwargs)
+
+
+def load_backbone(path: str | os.PathLike) -> nnx.Module:
+    """The exported backbone in eval mode: ``model(float images [N, S, S, 3] in [-1, 1]) -> [N, D]``."""
+    path = Path(path)
+    config = ml_collections.ConfigDict(json.loads((path / "config.json").read_text()))
+    abstract = nnx.eval_shape(lambda: _model(config))
+    graphdef, params, stats = nnx.split(abstract, nnx.Param, ...)
+    on_device = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])), tree)
+    restored = ckpt.restore(path / "backbone", {"params": on_device(params), "stats": on_device(stats)})
+    model = nnx.merge(graphdef, restored["params"], restored["stats"])
+    model.eval()
+    return model
