@@ -191,7 +191,7 @@ class MetricsWriter:
     def write(self, step: int, metrics: dict) -> None:
         if not self.active:
             return
-        row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        row = {"step": step, **metrics}
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
         if self.tb is not None:
@@ -243,7 +243,7 @@ def train(config, workdir: str | os.PathLike, devices=None, progress: bool = Tru
             metrics = jax.device_get(metrics)
             now = time.perf_counter()
             steps_done = config.log_every if step % config.log_every == 0 else step % config.log_every
-            last = {k: metrics[k] for k in ("loss", "lr", "grad_norm", "loss_scale")}
+            last = {k: float(metrics[k]) for k in ("loss", "lr", "grad_norm", "loss_scale")}
             last["img_per_s"] = steps_done * config.batch_size / (now - tick)
             if not metrics["finite"]:
                 log.warning("step %d: non-finite gradients; update skipped", step)
@@ -277,7 +277,7 @@ def main(argv):
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
     log.setLevel(logging.INFO)
     _, final = train(config, flags.FLAGS.workdir)
-    print(json.dumps({k: float(v) for k, v in final.items()}, indent=1))
+    print(json.dumps(final, indent=1))
 
 
 def define_flags():

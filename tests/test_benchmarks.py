@@ -13,6 +13,9 @@ SCRIPTS = {
     "loss.py": {"loss", "ms", "temp_bytes"},
     "fc_memory.py": {"C", "sample_rate", "dtype", "temp_bytes", "bytes_per_class"},
     "backbone_memory.py": {"model", "dtype", "remat", "saved_bytes", "temp_bytes"},
+    "train.py": {"model", "batch", "classes", "img_per_s", "temp_bytes"},
+    "max_classes.py": {"classes", "img_per_s", "is_max"},
+    "data.py": {"stage", "threads", "img_per_s"},
 }
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from jaxcls.data.recordio import MAGIC, MXFaceDataset, RecordError
+from jaxcls.data.recordio import MAGIC, MXFaceDataset, RecordError, pack, write_records
 
 GLYPHS = Path(__file__).resolve().parents[2] / "shared" / "data" / "glyphs"
 needs_glyphs = pytest.mark.skipif(not (GLYPHS / "train.rec").exists(),
@@ -32,59 +32,22 @@ def jpeg(seed, size=16):
     return buf.getvalue()
 
 
-def payload(labels, image, flag=None):
-    """IRHeader + labels + image bytes; one label → flag 0, several → flag = count."""
-    labels = np.atleast_1d(np.asarray(labels, np.float32))
-    if len(labels) == 1 and flag is None:
-        return struct.pack("<IfQQ", 0, float(labels[0]), 0, 0) + image
-    return struct.pack("<IfQQ", len(labels), 0.0, 0, 0) + labels.tobytes() + image
-
-
-def chunk(cflag, data):
-    return struct.pack("<II", MAGIC, (cflag << 29) | len(data)) + data + b"\0" * (-len(data) % 4)
-
-
-def encode(data):
-    """MXNet's writer: split the record wherever the magic occurs at a 4-byte aligned offset."""
-    magic = struct.pack("<I", MAGIC)
-    cuts = [i for i in range(0, len(data) - 3, 4) if data[i:i + 4] == magic]
-    if not cuts:
-        return chunk(0, data)
-    parts, start = [], 0
-    for c in cuts:
-        parts.append(data[start:c])
-        start = c + 4
-    parts.append(data[start:])
-    return b"".join(chunk(1 if i == 0 else 3 if i == len(parts) - 1 else 2, p) for i, p in enumerate(parts))
-
-
-def write(root, records: dict[int, bytes]):
-    root.mkdir(parents=True, exist_ok=True)
-    rec, idx = bytearray(), []
-    for key, data in records.items():
-        idx.append(f"{key}\t{len(rec)}\n")
-        rec += encode(data)
-    (root / "train.rec").write_bytes(bytes(rec))
-    (root / "train.idx").write_text("".join(idx))
-    return root
-
-
 def test_insightface_header(tmp_path):
-    images = {k: payload(float(k % 3), jpeg(k)) for k in range(1, 7)}
-    header = payload([7.0, 10.0], b"")
-    ds = MXFaceDataset(write(tmp_path, {0: header, **images}))
+    images = {k: pack(float(k % 3), jpeg(k)) for k in range(1, 7)}
+    header = pack([7.0, 10.0], b"")
+    ds = MXFaceDataset(write_records(tmp_path, {0: header, **images}))
     assert len(ds) == 6 and ds.header_classes == 3
     assert [ds[i][1] for i in range(6)] == [1, 2, 0, 1, 2, 0]
 
 
 def test_no_header_plain_im2rec(tmp_path):
-    ds = MXFaceDataset(write(tmp_path, {k: payload(float(k), jpeg(k)) for k in range(5)}))
+    ds = MXFaceDataset(write_records(tmp_path, {k: pack(float(k), jpeg(k)) for k in range(5)}))
     assert len(ds) == 5 and ds.header_classes is None and ds.num_classes() == 5
     np.testing.assert_array_equal(ds[2][0], np.asarray(Image.open(io.BytesIO(jpeg(2))).convert("RGB")))
 
 
 def test_multi_float_labels_use_the_first(tmp_path):
-    ds = MXFaceDataset(write(tmp_path, {k: payload([float(k), 9.5, 3.0], jpeg(k)) for k in range(3)}))
+    ds = MXFaceDataset(write_records(tmp_path, {k: pack([float(k), 9.5, 3.0], jpeg(k)) for k in range(3)}))
     assert [ds[i][1] for i in range(3)] == [0, 1, 2]
 
 
@@ -94,9 +57,9 @@ def test_split_records_are_joined(tmp_path):
     # put the magic inside the payload at a 4-aligned offset, twice: start, middle and end parts
     pad = b"\0" * (-(24 + len(image)) % 4)
     tricky = image + pad + magic + b"abcd" + magic + b"tail"
-    data = payload(4.0, tricky)
+    data = pack(4.0, tricky)
     assert data.count(magic) == 2
-    root = write(tmp_path, {0: data})
+    root = write_records(tmp_path, {0: data})
     assert struct.unpack("<II", (root / "train.rec").read_bytes()[:8])[1] >> 29 == 1  # really split
     ds = MXFaceDataset(root)
     raw, label = ds.raw(0)
@@ -104,7 +67,7 @@ def test_split_records_are_joined(tmp_path):
 
 
 def test_corrupt_magic_names_file_and_offset(tmp_path):
-    root = write(tmp_path, {k: payload(float(k), jpeg(k)) for k in range(3)})
+    root = write_records(tmp_path, {k: pack(float(k), jpeg(k)) for k in range(3)})
     offset = int((root / "train.idx").read_text().splitlines()[2].split("\t")[1])
     data = bytearray((root / "train.rec").read_bytes())
     data[offset:offset + 4] = b"JUNK"
@@ -116,7 +79,7 @@ def test_corrupt_magic_names_file_and_offset(tmp_path):
 
 
 def test_truncated_record(tmp_path):
-    root = write(tmp_path, {k: payload(float(k), jpeg(k)) for k in range(2)})
+    root = write_records(tmp_path, {k: pack(float(k), jpeg(k)) for k in range(2)})
     data = (root / "train.rec").read_bytes()
     (root / "train.rec").write_bytes(data[:-20])
     with pytest.raises(RecordError, match="truncated record at byte offset"):
@@ -124,7 +87,7 @@ def test_truncated_record(tmp_path):
 
 
 def test_bad_index_line(tmp_path):
-    root = write(tmp_path, {0: payload(0.0, jpeg(0))})
+    root = write_records(tmp_path, {0: pack(0.0, jpeg(0))})
     (root / "train.idx").write_text("0\t0\nnonsense\n")
     with pytest.raises(RecordError, match="train.idx:2"):
         MXFaceDataset(root)

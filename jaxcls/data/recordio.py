@@ -158,3 +158,42 @@ class MXFaceDataset:
         if self._labels is None:
             self._labels = np.array([self.raw(i)[1] for i in range(len(self))], np.int64)
         return self._labels
+
+
+def pack(labels, image: bytes) -> bytes:
+    """IRHeader payload: one label → ``flag = 0``; several → ``flag = count`` float32 labels first."""
+    labels = np.atleast_1d(np.asarray(labels, np.float32))
+    if len(labels) == 1:
+        return _HEADER.pack(0, float(labels[0]), 0, 0) + image
+    return _HEADER.pack(len(labels), 0.0, 0, 0) + labels.tobytes() + image
+
+
+def _chunk(cflag: int, data: bytes) -> bytes:
+    return struct.pack("<II", MAGIC, (cflag << 29) | len(data)) + data + b"\0" * (-len(data) % 4)
+
+
+def encode_record(payload: bytes) -> bytes:
+    """One record as MXNet writes it: split wherever the magic occurs at a 4-byte aligned offset."""
+    cuts = [i for i in range(0, len(payload) - 3, 4) if payload[i:i + 4] == _MAGIC_BYTES]
+    parts, start = [], 0
+    for c in cuts:
+        parts.append(payload[start:c])
+        start = c + 4
+    parts.append(payload[start:])
+    if len(parts) == 1:
+        return _chunk(0, payload)
+    flags = [1] + [2] * (len(parts) - 2) + [3]
+    return b"".join(_chunk(f, p) for f, p in zip(flags, parts))
+
+
+def write_records(root: str | os.PathLike, records: dict[int, bytes], name: str = "train") -> Path:
+    """Write ``{key: payload}`` as ``root/name.rec`` + ``root/name.idx``."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    rec, idx = bytearray(), []
+    for key, data in records.items():
+        idx.append(f"{key}\t{len(rec)}\n")
+        rec += encode_record(data)
+    (root / f"{name}.rec").write_bytes(bytes(rec))
+    (root / f"{name}.idx").write_text("".join(idx))
+    return root

@@ -1,0 +1,103 @@
+"""Full train-step throughput: img/s and peak memory of the jitted step (backbone + sharded FC + updates).
+
+    python benchmarks/train.py                 # GPU grid: r50/r100 at batch 128/256/512, mbf at 512; 1M classes,
+                                               # PartialFC 0.1, bf16; data already on the device
+    python benchmarks/train.py --pipeline DIR  # the same step fed by the RecordIO pipeline from DIR
+    python benchmarks/train.py --small         # r18 (width 8) at 32×32 on 8 CPU devices; what the tests run
+
+Extra ``--set key=value`` pairs override config keys (e.g. ``--set chunk_size=65536``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+if "--small" in sys.argv:
+    from common import force_cpu_devices
+
+    force_cpu_devices(8)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from common import compiled_memory, peak_device_bytes, print_table, write_json  # noqa: E402
+
+from jaxcls.config import base_config  # noqa: E402
+from jaxcls.data.pipeline import device_batch, train_batches  # noqa: E402
+from jaxcls.data.sources import make_source  # noqa: E402
+from jaxcls.mesh import batch_sharding  # noqa: E402
+from jaxcls.train import build, compile_step  # noqa: E402
+
+
+def step_config(model, batch, num_classes, sample_rate, precision, size, overrides=()):
+    c = base_config()
+    c.data.kind, c.data.input_size = "synthetic", size
+    c.model, c.model_kwargs, c.num_features = model, {}, 512
+    c.num_classes, c.sample_rate, c.precision, c.batch_size = num_classes, sample_rate, precision, batch
+    c.margin = dict(name="arcface", s=64.0, m=0.5, straight_through=False)
+    c.total_steps, c.warmup_steps = 10**6, 10
+    for item in overrides:
+        key, value = item.split("=", 1)
+        c[key] = type(c[key])(value)
+    return c
+
+
+def measure(config, steps, pipeline_root=None, warmup=3):
+    run, state = build(config)
+    step = compile_step(run)
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (config.batch_size, config.data.input_size, config.data.input_size, 3), np.uint8)
+    labels = rng.integers(0, config.num_classes, config.batch_size).astype(np.int32)
+    sharding = batch_sharding(run.mesh)
+    fixed = device_batch((images, labels), sharding)
+    compiled = step.lower(state, *fixed).compile()
+    batches = None
+    if pipeline_root:
+        source = make_source("recordio", pipeline_root)
+        batches = train_batches(source, batch_size=config.batch_size, size=config.data.input_size, seed=0,
+                                threads=16, process_index=0, process_count=1)
+    next_batch = (lambda: device_batch(next(batches), sharding)) if batches else (lambda: fixed)
+    for _ in range(warmup):
+        state, metrics = step(state, *next_batch())
+    jax.block_until_ready(metrics)
+    start = time.perf_counter()
+    for _ in range(steps):
+        state, metrics = step(state, *next_batch())
+    jax.block_until_ready(metrics)
+    seconds = time.perf_counter() - start
+    return {"model": config.model, "batch": config.batch_size, "classes": config.num_classes,
+            "sample_rate": config.sample_rate, "precision": config.precision,
+            "input": "pipeline" if pipeline_root else "on device", "img_per_s": steps * config.batch_size / seconds,
+            "ms_per_step": 1e3 * seconds / steps, "peak_bytes": peak_device_bytes(), **compiled_memory(compiled),
+            "loss": float(metrics["loss"])}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small", action="store_true")
+    parser.add_argument("--pipeline", default=None, help="RecordIO folder to feed the step from")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--set", action="append", default=[], help="config override key=value")
+    parser.add_argument("--out", default="benchmarks/results/train.json")
+    args = parser.parse_args()
+    if args.small:
+        grid, steps = [("r18", 32, 1000, 0.1, "float32", 32)], 2
+    else:
+        grid = [(m, b, 1_000_000, 0.1, "bfloat16", 112) for m in ("r50", "r100") for b in (128, 256, 512)]
+        grid += [("mbf", 512, 1_000_000, 0.1, "bfloat16", 112)]
+        steps = args.steps
+    rows = []
+    for model, batch, classes, rate, precision, size in grid:
+        config = step_config(model, batch, classes, rate, precision, size, args.set)
+        if args.small:  # a narrow model that a CPU steps through in a second
+            config.model_kwargs = dict(width=8)
+            config.num_features = 32
+        rows.append(measure(config, steps, args.pipeline))
+    print_table(rows, ["model", "batch", "classes", "sample_rate", "precision", "input", "img_per_s", "ms_per_step",
+                       "peak_bytes", "temp_bytes"])
+    write_json(args.out, rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,15 @@
+"""notebooks/quickstart.ipynb executes from top to bottom."""
+
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "quickstart.ipynb"
+
+
+def test_quickstart_runs(tmp_path):
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = "".join(o.get("text", "") for cell in nb.cells for o in cell.get("outputs", []))
+    assert "dense loss" in outputs and "accuracy" in outputs
