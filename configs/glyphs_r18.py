@@ -29,6 +29,6 @@ def get_config():
     c.batch_size = 128
     c.total_steps = 1800  # ~13 epochs, ~30 minutes on a 2-core CPU
     c.warmup_steps = 100
-    c.eval_every = 500
-    c.ckpt_every = 500
+    c.eval_every = 600
+    c.ckpt_every = 600
     return c

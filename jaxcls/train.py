@@ -16,6 +16,11 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
+from absl import app, flags
+from flax import nnx
+from ml_collections import config_flags
+from tqdm import tqdm
 
 from jaxcls import checkpoint as ckpt
 from jaxcls.config import validate
@@ -43,7 +48,7 @@ def make_margin(cfg) -> CombinedMargin:
 
 @dataclasses.dataclass
 class Run:
-    """Everything built from a config: mesh, data, trainer, shardings and the compiled functions."""
+    """Everything built from a config: mesh, data source, trainer, eval-mode graph and state shardings."""
 
     config: object
     mesh: object
@@ -51,10 +56,6 @@ class Run:
     trainer: Trainer
     eval_graphdef: object
     state_shardings: dict
-
-    @property
-    def class_axes(self):
-        return tuple(self.config.class_axes.split(","))
 
 
 def build(config, devices=None, with_data: bool = True) -> tuple[Run, dict]:
@@ -73,7 +74,7 @@ def build(config, devices=None, with_data: bool = True) -> tuple[Run, dict]:
     mesh = make_mesh(config.mesh_data, len(devices) // config.mesh_data, devices=devices)
     dtype = compute_dtype(config.precision)
     model = get_model(config.model, config.num_features, dtype=dtype, remat=config.remat,
-                      input_size=config.data.input_size, rngs=jax_rngs(config.seed), **config.model_kwargs)
+                      input_size=config.data.input_size, rngs=nnx.Rngs(params=config.seed, dropout=config.seed + 1), **config.model_kwargs)
     graphdef, params, stats = split_model(model)
     model.eval()
     eval_graphdef = split_model(model)[0]
@@ -95,15 +96,8 @@ def build(config, devices=None, with_data: bool = True) -> tuple[Run, dict]:
     return run, jax.device_put(state, shardings)
 
 
-def jax_rngs(seed):
-    from flax import nnx
-
-    return nnx.Rngs(params=seed, dropout=seed + 1)
-
-
 def split_model(model):
-    from flax import nnx
-
+    """``(graphdef, params, everything else)``: BatchNorm statistics, RNG state."""
     return nnx.split(model, nnx.Param, ...)
 
 
@@ -132,7 +126,6 @@ def eval_sets(config, source) -> list[tuple[str, np.ndarray, np.ndarray]]:
 
 def make_embed(run: Run):
     """``embed(state, uint8 images [B, S, S, 3]) -> float32 [B, D]`` in eval mode, batch over all devices."""
-    from flax import nnx
 
     @jax.jit
     def embed(params, stats, images):
@@ -158,16 +151,12 @@ def verify(run: Run, state, sets, embed) -> dict:
 
 
 def checkpoint_manager(workdir: Path, config):
-    import orbax.checkpoint as ocp
-
     options = ocp.CheckpointManagerOptions(max_to_keep=config.keep_checkpoints, enable_async_checkpointing=True)
     return ocp.CheckpointManager(workdir / "checkpoints", options=options, item_names=("state", "data"))
 
 
 def restore(manager, abstract_state, step=None):
     """The state (onto the abstract state's mesh, any device count) and data position of a checkpoint."""
-    import orbax.checkpoint as ocp
-
     step = manager.latest_step() if step is None else step
     restored = manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.PyTreeRestore(item=abstract_state, restore_args=ckpt.restore_args(abstract_state)),
@@ -211,9 +200,7 @@ def train(config, workdir: str | os.PathLike, devices=None, progress: bool = Tru
 
     ``stop_after`` ends the run early at that step (after checkpointing it), as an interruption would.
     """
-    from tqdm import tqdm
-
-    workdir = Path(workdir)
+    workdir = Path(workdir).absolute()  # orbax writes only to absolute paths
     workdir.mkdir(parents=True, exist_ok=True)
     run, state = build(config, devices)
     if jax.process_index() == 0:
@@ -262,15 +249,11 @@ def train(config, workdir: str | os.PathLike, devices=None, progress: bool = Tru
 
 
 def save(manager, step, state, batches):
-    import orbax.checkpoint as ocp
-
     manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
                                                data=ocp.args.JsonSave(batches.get_state())))
 
 
 def main(argv):
-    from absl import flags
-
     config = flags.FLAGS.config
     if flags.FLAGS.distributed:
         jax.distributed.initialize()
@@ -281,9 +264,6 @@ def main(argv):
 
 
 def define_flags():
-    from absl import flags
-    from ml_collections import config_flags
-
     default = os.path.join(os.path.dirname(__file__), "config.py")
     config_flags.DEFINE_config_file("config", default, "a configs/*.py file; default: the built-in procedural run")
     flags.DEFINE_string("workdir", "runs/default", "where checkpoints, metrics and the config go")
@@ -291,7 +271,5 @@ def define_flags():
 
 
 if __name__ == "__main__":
-    from absl import app
-
     define_flags()
     app.run(main)

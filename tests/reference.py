@@ -6,6 +6,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcls.losses import CombinedMargin, arcface, cosface, sphereface
+
+MARGINS = {  # every margin family the tests run, ArcFace both exact and straight-through
+    "arcface": arcface(),
+    "arcface_st": arcface(straight_through=True),
+    "cosface": cosface(),
+    "sphereface": sphereface(),
+    "combined": CombinedMargin(s=64.0, m1=1.0, m2=0.3, m3=0.2),
+}
+
 
 def margin_target(cos, s, m1, m2, m3):
     """s·(cos(m1·θ + m2) − m3); past m1·θ + m2 = π, linear in cos (continuous at the threshold)."""

@@ -12,7 +12,6 @@ from conftest import MESH_SHAPES
 from hlo import collectives
 from jaxcls import batch_sharding, make_mesh
 from jaxcls.losses import (
-    CombinedMargin,
     arcface,
     class_parallel_cross_entropy,
     class_shards,
@@ -20,19 +19,9 @@ from jaxcls.losses import (
     init_weight,
     masked_fill_value,
     sharded_margin_loss,
-    sphereface,
     weight_sharding,
 )
-from reference import rel_err, value_and_grads
-
-MARGINS = {
-    "arcface": arcface(),
-    "arcface_st": arcface(straight_through=True),
-    "cosface": cosface(),
-    "sphereface": sphereface(),
-    "combined": CombinedMargin(s=64.0, m1=1.0, m2=0.3, m3=0.2),
-}
-
+from reference import MARGINS, rel_err, value_and_grads
 
 def make_problem(rng, mesh, class_axes=("data", "class"), divisible=True, dtype=jnp.float32):
     """Fresh random sizes and values; returns (embeddings, weight, labels, C) placed on ``mesh``."""

@@ -8,7 +8,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxcls import checkpoint as ckpt
 from jaxcls.config import base_config, check_keys
 from jaxcls.train import build, train
 from test_recordio import GLYPHS, needs_glyphs
@@ -99,6 +98,12 @@ def test_resume_is_exact_and_works_on_another_mesh(tmp_path):
                      devices=jax.devices()[:4])
     assert dict(moved["weight"].sharding.mesh.shape) == {"data": 2, "class": 2}
     assert int(moved["step"]) == 6 and np.isfinite(losses(tmp_path / "moved")).all()
+
+
+def test_relative_workdir_checkpoints(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    train(tiny_config(total_steps=2, ckpt_every=1), "runs/relative", progress=False)
+    assert sorted(p.name for p in (tmp_path / "runs/relative/checkpoints").iterdir()) == ["1", "2"]
 
 
 def test_gradient_accumulation_divides_the_loss():

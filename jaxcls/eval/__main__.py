@@ -24,7 +24,7 @@ FLAGS = flags.FLAGS
 
 
 def main(argv):
-    workdir = Path(FLAGS.workdir)
+    workdir = Path(FLAGS.workdir).absolute()
     config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
     if FLAGS.bin:
         config.eval_bins = list(FLAGS.bin)
