@@ -203,9 +203,12 @@ def train(config, workdir: str | os.PathLike, devices=None, progress: bool = Tru
     workdir = Path(workdir).absolute()  # orbax writes only to absolute paths
     workdir.mkdir(parents=True, exist_ok=True)
     run, state = build(config, devices)
+    manager = checkpoint_manager(workdir, config)
+    if manager.latest_step() is not None and (workdir / "config.json").exists():
+        # restores pad or truncate FC rows to the new mesh, so a changed class count must be caught here
+        ckpt.check_num_classes(json.loads((workdir / "config.json").read_text())["num_classes"], config.num_classes)
     if jax.process_index() == 0:
         (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
-    manager = checkpoint_manager(workdir, config)
     batches = train_batches(run.source, batch_size=config.batch_size // jax.process_count(),
                             size=config.data.input_size, seed=config.seed, flip=config.data.flip,
                             workers=config.data.workers, threads=config.data.threads)

@@ -100,10 +100,12 @@ def test_resume_is_exact_and_works_on_another_mesh(tmp_path):
     assert int(moved["step"]) == 6 and np.isfinite(losses(tmp_path / "moved")).all()
 
 
-def test_relative_workdir_checkpoints(tmp_path, monkeypatch):
+def test_relative_workdir_and_resume_with_other_class_count(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     train(tiny_config(total_steps=2, ckpt_every=1), "runs/relative", progress=False)
     assert sorted(p.name for p in (tmp_path / "runs/relative/checkpoints").iterdir()) == ["1", "2"]
+    with pytest.raises(ValueError, match="checkpoint holds an FC of 64 classes, the config asks for 70"):
+        train(tiny_config(total_steps=4, num_classes=70), "runs/relative", progress=False)
 
 
 def test_gradient_accumulation_divides_the_loss():
