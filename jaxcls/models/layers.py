@@ -18,9 +18,8 @@ BN_EPS = 1e-5
 class PReLU(nnx.Module):
     """Per-channel PReLU (torch ``nn.PReLU(num_parameters=C)``), slopes initialised to 0.25."""
 
-    def __init__(self, channels: int, *, dtype=jnp.float32):
+    def __init__(self, channels: int):
         self.alpha = nnx.Param(jnp.full((channels,), 0.25, jnp.float32))
-        self.dtype = dtype
 
     def __call__(self, x):
         return jnp.where(x >= 0, x, self.alpha[...].astype(x.dtype) * x)
