@@ -1,8 +1,13 @@
 """Compiled per-device memory of one FC step, and bytes per class.
 
-One FC step = PartialFC sampling + gather of the sampled rows + sharded margin loss + gradients
-(embeddings and sampled rows) + sparse SGD-momentum update, under one jit with the weight and optimizer
-state donated. Only compiled (``memory_analysis()``), never run, so large C can be examined on a CPU.
+One FC step = PartialFC sampling, the sharded margin loss, its gradient w.r.t. the embeddings and a sparse
+SGD-momentum update, under one jit with the weight and optimizer state donated, by two routes:
+
+* ``fused``: ``FCHead.step``, what the trainer runs (tiles of rows: loss, gradient, update in one pass);
+* ``autodiff``: gather the sampled rows, ``jax.value_and_grad`` of ``sharded_margin_loss``, then
+  ``SparseOptimizer.update`` (the composable pieces).
+
+Only compiled (``memory_analysis()``), never run, so large C can be examined on a CPU.
 
     python benchmarks/fc_memory.py                 # C up to 40M on one device, D=512, N=128
     python benchmarks/fc_memory.py --devices 8     # the same split over 8 (simulated CPU) devices
@@ -29,20 +34,31 @@ from common import print_table, write_json  # noqa: E402
 
 from jaxcls import batch_sharding, make_mesh  # noqa: E402
 from jaxcls.fc import FCHead  # noqa: E402
-from jaxcls.losses import arcface, padded_num_classes, weight_sharding  # noqa: E402
+from jaxcls.losses import arcface, padded_num_classes, sharded_margin_loss, weight_sharding  # noqa: E402
 from jaxcls.mesh import replicated  # noqa: E402
+from jaxcls.partial_fc import gather_rows  # noqa: E402
 from jaxcls.sparse_fc import sgd  # noqa: E402
 
 
-def fc_step_memory(mesh, c, n, d, rate, dtype, chunk_size):
+def autodiff_step(head, weight, fc_state, emb, labels, sample, lr):
+    rows = weight if sample is None else gather_rows(weight, sample, mesh=head.mesh)
+    loss_fn = lambda e, r: sharded_margin_loss(e, r, labels, head.margin, mesh=head.mesh, num_classes=head.num_classes,
+                                               chunk_size=head.chunk_size,
+                                               row_classes=None if sample is None else sample.classes)
+    loss, (g_emb, g_rows) = jax.value_and_grad(loss_fn, argnums=(0, 1))(emb, rows)
+    weight, fc_state = head.optimizer.update(weight, fc_state, None if sample is None else sample.rows, g_rows, lr,
+                                             mesh=head.mesh)
+    return loss, g_emb, weight, fc_state
+
+
+ROUTES = {"fused": lambda head, *args: head.step(*args), "autodiff": autodiff_step}
+
+
+def fc_step_memory(mesh, c, n, d, rate, dtype, chunk_size, route):
     head = FCHead(mesh, c, d, arcface(), sgd(), sample_rate=rate, chunk_size=chunk_size, dtype=dtype)
 
     def step(weight, fc_state, emb, labels, key):
-        sample, rows = head.select(key, weight, labels)
-        loss_fn = lambda e, r: head.loss(e, r, labels, sample)
-        loss, (g_emb, g_rows) = jax.value_and_grad(loss_fn, argnums=(0, 1))(emb, rows)
-        weight, fc_state = head.update(weight, fc_state, sample, g_rows, 0.1)
-        return weight, fc_state, loss, g_emb
+        return ROUTES[route](head, weight, fc_state, emb, labels, head.sample(key, labels), 0.1)
 
     weight, fc_state = jax.eval_shape(head.init, jax.random.key(0))
     w_abs = jax.ShapeDtypeStruct(weight.shape, weight.dtype, sharding=weight_sharding(mesh))
@@ -54,7 +70,7 @@ def fc_step_memory(mesh, c, n, d, rate, dtype, chunk_size):
     compiled = jax.jit(step, donate_argnums=(0, 1)).lower(w_abs, state_abs, emb, labels, jax.random.key(0)).compile()
     m = compiled.memory_analysis()
     total = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
-    return {"C": c, "sample_rate": rate, "dtype": jnp.dtype(dtype).name, "chunk": chunk_size, "N": n, "D": d,
+    return {"route": route, "C": c, "sample_rate": rate, "dtype": jnp.dtype(dtype).name, "chunk": chunk_size, "N": n, "D": d,
             "devices": mesh.size, "argument_bytes": int(m.argument_size_in_bytes), "temp_bytes": int(m.temp_size_in_bytes),
             "alias_bytes": int(m.alias_size_in_bytes), "total_bytes_per_device": int(total),
             "GiB_per_device": total / 2**30, "bytes_per_class": total * mesh.size / c}
@@ -80,8 +96,9 @@ def main():
                 c_local = padded_num_classes(c, mesh.size) // mesh.size
                 if chunk is not None and chunk >= rate * c_local:
                     chunk = max(1, int(rate * c_local) // 4)
-                rows.append(fc_step_memory(mesh, c, n, d, rate, dtype, chunk))
-    print_table(rows, ["C", "devices", "sample_rate", "dtype", "chunk", "GiB_per_device", "temp_bytes",
+                for route in ROUTES:
+                    rows.append(fc_step_memory(mesh, c, n, d, rate, dtype, chunk, route))
+    print_table(rows, ["route", "C", "devices", "sample_rate", "dtype", "chunk", "GiB_per_device", "temp_bytes",
                        "bytes_per_class"])
     write_json(args.out, rows)
 

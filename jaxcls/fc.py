@@ -1,33 +1,55 @@
-"""The class-sharded FC head: weight, margin loss, PartialFC sampling and sparse update in one place.
+"""The class-sharded FC head used by the trainer: margin loss, embedding gradient and sparse update fused.
 
-A train step uses it as::
+``FCHead.step`` runs, per class shard, two passes over tiles of ``chunk_size`` (sampled) rows:
 
-    sample, rows = head.select(key, weight, labels)          # rows: [W·B, D] (or the whole weight)
-    loss, (g_params, g_rows) = value_and_grad(lambda p, r: head.loss(backbone(p, x), r, labels, sample),
-                                              argnums=(0, 1))(params, rows)
-    weight, fc_state = head.update(weight, fc_state, sample, g_rows, lr)
+1. softmax statistics (online max / sum of exp), combined over the class axes with a ``pmax`` and two
+   ``psum`` of ``[N]``: the loss;
+2. per tile: the gradient w.r.t. the embeddings (accumulated) and w.r.t. the tile's rows, which are
+   updated by the sparse optimizer and written back at once.
 
-With ``sample_rate = 1`` no sampling, gather or scatter happens: the full weight is used and updated densely.
+So no ``[N, C_local]`` logits, no ``[rows, D]`` gradient, no copy of the sampled rows and no dense
+``[C, D]`` temporary is ever held: besides the (donated, updated in place) weight and optimizer slots, a
+step needs ``O(N·chunk + chunk·D)`` memory. The gradient w.r.t. the embeddings goes back to the
+backbone's own backward pass. The loss equals ``sharded_margin_loss`` and the update equals
+``SparseOptimizer.update`` applied to its gradient (tested), which remain the composable pieces for
+user code that wants plain autodiff.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxcls.losses import CombinedMargin, init_weight, padded_num_classes, sharded_margin_loss
-from jaxcls.losses.sharded import DEFAULT_CLASS_AXES, class_shards
-from jaxcls.partial_fc import ClassSample, gather_rows, sample_budget, sample_classes
+from jaxcls.losses import CombinedMargin, init_weight, padded_num_classes
+from jaxcls.losses.cross_entropy import combine_stats
+from jaxcls.losses.sharded import (
+    DEFAULT_CLASS_AXES,
+    check_inputs,
+    class_shards,
+    full_row_classes,
+    l2_normalize,
+    local_rows_of,
+    online_stats,
+    tile_grads,
+    tile_starts,
+)
+from jaxcls.mesh import AXES
+from jaxcls.partial_fc import ClassSample, sample_budget, sample_classes
 from jaxcls.sparse_fc import SparseOptimizer, SparseState
 
 
 @dataclasses.dataclass(frozen=True)
 class FCHead:
-    """FC weight ``[C_pad, D]`` sharded ``P(class_axes, None)`` in storage ``dtype``, with its loss and optimizer."""
+    """FC weight ``[C_pad, D]`` sharded ``P(class_axes, None)`` in storage ``dtype``, with its loss and optimizer.
+
+    ``chunk_size``: rows per tile (``None``: one tile per shard, i.e. the whole ``[N, C_local]`` logits).
+    """
 
     mesh: Mesh
     num_classes: int
@@ -41,6 +63,8 @@ class FCHead:
 
     def __post_init__(self):
         sample_budget(1, 1, self.sample_rate)  # validates the rate
+        if self.chunk_size is not None and self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be positive, got {self.chunk_size}")
 
     @property
     def rows(self) -> int:
@@ -50,22 +74,108 @@ class FCHead:
         weight = init_weight(key, self.num_classes, self.dim, self.mesh, self.class_axes, self.dtype)
         return weight, self.optimizer.init(weight)
 
-    def select(self, key, weight, labels) -> tuple[ClassSample | None, jax.Array]:
-        """The PartialFC sample for ``labels`` and the weight rows the loss will see."""
+    def sample(self, key, labels) -> ClassSample | None:
+        """The PartialFC sample for the global batch ``labels`` (``None`` when ``sample_rate == 1``)."""
         if self.sample_rate == 1.0:
-            return None, weight
-        sample = sample_classes(key, labels, mesh=self.mesh, num_classes=self.num_classes, num_rows=self.rows,
-                                sample_rate=self.sample_rate, class_axes=self.class_axes)
-        return sample, gather_rows(weight, sample, mesh=self.mesh, class_axes=self.class_axes)
+            return None
+        return sample_classes(key, labels, mesh=self.mesh, num_classes=self.num_classes, num_rows=self.rows,
+                              sample_rate=self.sample_rate, class_axes=self.class_axes)
 
-    def loss(self, embeddings, weight_rows, labels, sample: ClassSample | None) -> jax.Array:
-        """Scalar mean margin loss of ``embeddings`` ``[N, D]`` against the selected rows."""
-        return sharded_margin_loss(embeddings, weight_rows, labels, self.margin, mesh=self.mesh,
-                                   class_axes=self.class_axes, num_classes=self.num_classes,
-                                   chunk_size=self.chunk_size,
-                                   row_classes=None if sample is None else sample.classes)
+    def step(self, weight, state: SparseState, embeddings, labels, sample: ClassSample | None, lr, *,
+             update: bool = True, apply=True):
+        """Loss, embedding gradient and (if ``update``) one optimizer step on the sampled rows.
 
-    def update(self, weight, state, sample: ClassSample | None, grads, lr) -> tuple[jax.Array, SparseState]:
-        """One optimizer step on the selected rows (all rows without sampling)."""
-        return self.optimizer.update(weight, state, None if sample is None else sample.rows, grads, lr,
-                                     mesh=self.mesh, class_axes=self.class_axes)
+        Args:
+          weight: ``[C_pad, D]`` ``P(class_axes, None)``; ``state`` its optimizer state. Donate both.
+          embeddings: ``[N, D]`` backbone output, ``P(('data', 'class'), None)``, any float dtype (the
+            matmul dtype); ``labels`` ``[N]`` int, sharded alike.
+          sample: from ``sample`` (``None``: every row).
+          update: ``False`` returns ``weight`` and ``state`` untouched (no update work is traced).
+          apply: a scalar bool; where false the rows and state are left as they were (a skipped step).
+
+        Returns:
+          ``(loss, d_embeddings, weight, state)``: the float32 mean loss over the global batch, the
+          float32 gradient of the loss w.r.t. ``embeddings`` (same sharding), the new weight and state.
+          A label outside ``[0, num_classes)`` makes the loss NaN and leaves the FC unchanged.
+        """
+        row_classes = full_row_classes(self.rows, self.mesh, self.class_axes) if sample is None else sample.classes
+        check_inputs(embeddings, weight, labels, self.mesh, self.class_axes, self.num_classes, None)
+        labels = labels.astype(jnp.int32)
+        labels_ok = jnp.all((labels >= 0) & (labels < self.num_classes))
+        apply = jnp.asarray(apply, bool) & labels_ok
+        count = state.count + apply.astype(jnp.int32) if update else state.count
+        matrix, vector, batch = P(self.class_axes, None), P(self.class_axes), P(AXES)
+        slots = (matrix,) * len(state.slots)
+        per_shard = partial(_step_shard, head=self, update=update, global_batch=embeddings.shape[0])
+        loss, d_emb, weight, new_slots = jax.shard_map(
+            per_shard, mesh=self.mesh,
+            in_specs=(P(AXES, None), batch, matrix, slots, vector, P(), P(), P()),
+            out_specs=(P(), P(AXES, None), matrix, slots),
+        )(embeddings, labels, weight, state.slots, row_classes, jnp.asarray(lr, jnp.float32), count, apply)
+        return jnp.where(labels_ok, loss, jnp.nan), d_emb, weight, SparseState(new_slots, count)
+
+
+def _step_shard(emb, labels, weight, slots, row_classes, lr, count, apply, *, head: FCHead, update: bool,
+                global_batch: int):
+    """Inside shard_map: ``emb`` ``[N/W_all, D]``, ``labels`` ``[N/W_all]``, ``weight`` and ``slots``
+    ``[C_local, D]``, ``row_classes`` ``[R]`` the ascending classes of the rows taking part (all C_local
+    of this shard's classes without sampling)."""
+    class_axes = head.class_axes
+    shard_first = lax.axis_index(class_axes) * weight.shape[0]  # class of local row 0
+    e_n32, pull = jax.vjp(lambda e: lax.all_gather(l2_normalize(e), class_axes, tiled=True), emb.astype(jnp.float32))
+    e_n = e_n32.astype(emb.dtype)
+    targets = local_rows_of(lax.all_gather(labels, class_axes, tiled=True), row_classes)
+    num_rows = row_classes.shape[0]
+    tile = min(head.chunk_size or num_rows, num_rows)
+
+    def locate(i):  # which rows tile i covers: (local row indices [T], valid [T], first, owned)
+        first, owned = tile_starts(num_rows, tile, i)
+        classes = lax.dynamic_slice_in_dim(row_classes, first, tile)
+        # gather and scatter by index even when contiguous: XLA then updates in place (a select fused into a
+        # dynamic-update-slice made it copy the whole array)
+        return classes - shard_first, classes < head.num_classes, first, owned
+
+    # On CPU 16-bit rows move as raw bits: XLA:CPU cannot scatter into a bfloat16/float16 array in place and
+    # would convert the whole array to float32 (and back) on every tile. GPUs scatter 16-bit floats natively.
+    dtypes = (weight.dtype, *(s.dtype for s in slots))
+    if head.mesh.devices.flat[0].platform == "cpu":
+        weight, *slots = map(_to_bits, (weight, *slots))
+
+    def tile_at(i):
+        index, valid, first, owned = locate(i)
+        return _from_bits(weight[index], dtypes[0]), valid, first, owned
+
+    n_tiles = -(-num_rows // tile)
+    lse, losses = combine_stats(*online_stats(e_n, targets, n_tiles, tile_at, head.margin), class_axes)
+    g = jnp.full_like(lse, 1.0 / global_batch)
+
+    def backward(carry, i):
+        d_e, weight, slots = carry
+        index, valid, first, owned = locate(i)
+        w_tile, *s_tiles = (_from_bits(a[index], t) for a, t in zip((weight, *slots), dtypes))
+        d_e_tile, d_w_tile = tile_grads(e_n, w_tile, targets, valid, first, owned, head.margin, lse, g)
+        if update:  # rows the tile does not own (overlap with the previous tile) or padding stay as they are
+            keep = apply & valid & (first + jnp.arange(tile) >= owned)
+            new_w, new_slots = head.optimizer.apply_rows(w_tile, s_tiles, d_w_tile, lr, count)
+            weight, *slots = (a.at[index].set(_to_bits(jnp.where(keep[:, None], n, o)), unique_indices=True)
+                              for a, n, o in zip((weight, *slots), (new_w, *new_slots), (w_tile, *s_tiles)))
+        return (d_e + d_e_tile.astype(jnp.float32), weight, tuple(slots)), None
+
+    init = (jnp.zeros_like(e_n32), weight, tuple(slots))
+    (d_e, weight, slots), _ = lax.scan(backward, init, jnp.arange(n_tiles))
+    total = jnp.sum(losses)
+    data_axes = tuple(a for a in AXES if a not in class_axes)
+    if data_axes:
+        total = lax.psum(total, data_axes)
+    weight, *slots = (_from_bits(a, t) for a, t in zip((weight, *slots), dtypes))
+    return total / global_batch, pull(d_e)[0], weight, tuple(slots)
+
+
+def _to_bits(x):
+    """16-bit floats as uint16 (a free bitcast), others as they are."""
+    return lax.bitcast_convert_type(x, jnp.uint16) if x.dtype.itemsize == 2 else x
+
+
+def _from_bits(x, dtype):
+    return x if x.dtype == dtype else lax.bitcast_convert_type(x, dtype)
+

@@ -16,7 +16,6 @@ state is stored in ``state_dtype`` (default: the weight's). The arithmetic is fl
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -60,31 +59,31 @@ class SparseOptimizer(NamedTuple):
         class_axes = tuple(class_axes)
         count = state.count + 1
         if rows is None:
-            weight, slots = _rule_in_float32(self.rule, weight, state.slots, grads, lr, count)
+            weight, slots = self.apply_rows(weight, state.slots, grads, lr, count)
             return weight, SparseState(slots, count)
         row_spec, matrix_spec = P(class_axes), P(class_axes, None)
-        apply = partial(_apply_rows, rule=self.rule)
         weight, slots = jax.shard_map(
-            apply, mesh=mesh,
+            self._update_shard, mesh=mesh,
             in_specs=(matrix_spec, (matrix_spec,) * self.num_slots, row_spec, matrix_spec, P(), P()),
             out_specs=(matrix_spec, (matrix_spec,) * self.num_slots),
         )(weight, state.slots, rows, grads, jnp.asarray(lr, jnp.float32), count)
         return weight, SparseState(slots, count)
 
+    def apply_rows(self, weight, slots, grads, lr, count) -> tuple[jax.Array, tuple]:
+        """The rule on rows ``weight`` / ``slots`` ``[R, D]`` in float32, results in their storage dtypes.
 
-def _rule_in_float32(rule, weight, slots, grads, lr, count):
-    """Run ``rule`` in float32; results come back in the storage dtypes of ``weight`` and ``slots``."""
-    f32 = lambda x: x.astype(jnp.float32)
-    new_w, new_slots = rule(f32(weight), tuple(map(f32, slots)), f32(grads), lr, count)
-    return new_w.astype(weight.dtype), tuple(n.astype(s.dtype) for s, n in zip(slots, new_slots))
+        ``count`` is the step number being taken (1 on the first step).
+        """
+        f32 = lambda x: x.astype(jnp.float32)
+        new_w, new_slots = self.rule(f32(weight), tuple(map(f32, slots)), f32(grads), lr, count)
+        return new_w.astype(weight.dtype), tuple(n.astype(s.dtype) for s, n in zip(slots, new_slots))
 
-
-def _apply_rows(weight, slots, rows, grads, lr, count, *, rule):
-    """Inside shard_map: gather ``rows``, update in float32, scatter back in the storage dtypes."""
-    new_w, new_slots = _rule_in_float32(rule, weight[rows], tuple(s[rows] for s in slots), grads, lr, count)
-    weight = weight.at[rows].set(new_w, unique_indices=True)
-    slots = tuple(s.at[rows].set(n, unique_indices=True) for s, n in zip(slots, new_slots))
-    return weight, slots
+    def _update_shard(self, weight, slots, rows, grads, lr, count):
+        """Inside shard_map: gather ``rows``, update in float32, scatter back in the storage dtypes."""
+        new_w, new_slots = self.apply_rows(weight[rows], tuple(s[rows] for s in slots), grads, lr, count)
+        weight = weight.at[rows].set(new_w, unique_indices=True)
+        slots = tuple(s.at[rows].set(n, unique_indices=True) for s, n in zip(slots, new_slots))
+        return weight, slots
 
 
 def sgd(momentum: float = 0.9, weight_decay: float = 5e-4, state_dtype=None) -> SparseOptimizer:

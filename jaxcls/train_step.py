@@ -8,6 +8,7 @@ the loss ``scale`` state and a raw PRNG ``key``.
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import Any
 
 import jax
@@ -58,50 +59,69 @@ class Trainer:
                 "key": jax.random.key_data(jax.random.fold_in(key, 2))}
 
     def train_step(self, state: dict, images: jax.Array, labels: jax.Array) -> tuple[dict, dict]:
-        """One update on a global batch ``images`` uint8 ``[B, S, S, 3]``, ``labels`` int32 ``[B]``."""
+        """One update on a global batch ``images`` uint8 ``[B, S, S, 3]``, ``labels`` int32 ``[B]``.
+
+        Backbone forward → fused FC step (loss, d loss/d embeddings, sparse FC update) → backbone backward.
+        With float16 the FC update waits for the backbone gradients: a non-finite step changes nothing
+        but the loss scale (the FC pass then runs twice).
+        """
         key = jax.random.fold_in(jax.random.wrap_key_data(state["key"]), state["step"])
-        sample, rows = self.head.select(key, state["weight"], labels)
-        (loss, stats), (g_params, g_rows) = self._grads(state, rows, sample, images, labels)
-        g_params, g_rows = self.scaler.unscale((g_params, g_rows), state["scale"])
-        finite = all_finite((g_params, g_rows))
-        lr = self.schedule(state["step"])
+        lr, scale = self.schedule(state["step"]), state["scale"]
+        sample = self.head.sample(key, labels)
+        emb, stats, backbone_grads = self._embed(state, images)
+        fc_step = partial(self.head.step, state["weight"], state["fc_opt"], emb, labels, sample, lr)
+        loss, d_emb, weight, fc_opt = fc_step(update=not self.scaler.enabled)
+        g_params = self.scaler.unscale(backbone_grads(self.scaler.scale_loss(d_emb, scale)), scale)
+        finite = all_finite(g_params) & jnp.isfinite(loss)
+        if self.scaler.enabled:
+            _, _, weight, fc_opt = fc_step(apply=finite)
         updates, opt = self.tx.update(g_params, state["opt"], state["params"])
-        weight, fc_opt = self.head.update(state["weight"], state["fc_opt"], sample, g_rows, lr)
-        new = {"params": optax.apply_updates(state["params"], updates), "opt": opt, "stats": stats,
-               "weight": weight, "fc_opt": fc_opt}
+        new = {"params": optax.apply_updates(state["params"], updates), "opt": opt, "stats": stats}
         if self.scaler.enabled:  # a non-finite step changes nothing but the scale
             new = select_tree(finite, new, {k: state[k] for k in new})
-        new.update(step=state["step"] + 1, key=state["key"], scale=self.scaler.adjust(state["scale"], finite))
+        new.update(weight=weight, fc_opt=fc_opt, step=state["step"] + 1, key=state["key"],
+                   scale=self.scaler.adjust(scale, finite))
         metrics = {"loss": loss, "lr": lr, "grad_norm": optax.tree.norm(g_params), "finite": finite,
-                   "loss_scale": state["scale"].scale}
+                   "loss_scale": scale.scale}
         return new, metrics
 
-    def _grads(self, state, rows, sample, images, labels):
-        """Mean loss and gradients w.r.t. (params, FC rows), accumulated over ``accum_steps`` micro-batches.
+    def _embed(self, state, images):
+        """Float32 embeddings ``[B, D]``, the new BatchNorm statistics, and ``d_emb ↦ backbone gradients``.
 
-        The loss of each micro-batch is its mean; gradients are averaged over micro-batches, so the
-        update equals that of one batch of the full size (arcface_torch #2258).
+        With ``accum_steps > 1`` the backbone runs micro-batch by micro-batch, forward only (keeping just
+        the embeddings); the gradient function runs each micro-batch's forward again under ``jax.vjp``, so
+        activations of one micro-batch at a time are held and the update equals one full-batch step.
         """
-        micro = lambda x: x.reshape(x.shape[0] // self.accum_steps, self.accum_steps, *x.shape[1:]).swapaxes(0, 1)
 
-        def loss_fn(model, rows, images, labels):
-            emb = model(normalize(images)).astype(self.compute_dtype)
-            loss = self.head.loss(emb, rows, labels, sample)
-            return self.scaler.scale_loss(loss, state["scale"]), loss
-
-        def one(carry, batch):  # params and rows ride in the carry: NNX merges only same-trace values
-            params, rows, stats, g_acc, loss_acc = carry
+        def forward(params, stats, images):
             model = nnx.merge(self.graphdef, params, stats)
-            grad_fn = nnx.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
-            (_, loss), (g_model, g_rows) = grad_fn(model, rows, *batch)
-            g_acc = jax.tree.map(lambda a, g: a + g / self.accum_steps, g_acc, (g_model, g_rows))
-            stats = nnx.state(model, nnx.Not(nnx.Param))
-            return (params, rows, stats, g_acc, loss_acc + loss / self.accum_steps), None
+            emb = model(normalize(images)).astype(self.compute_dtype).astype(jnp.float32)
+            return emb, nnx.state(model, nnx.Not(nnx.Param))
 
-        zeros = jax.tree.map(jnp.zeros_like, (state["params"], rows))
-        carry = (state["params"], rows, state["stats"], zeros, jnp.float32(0))
-        if self.accum_steps == 1:  # no loop, no accumulator buffers
-            (_, _, stats, grads, loss), _ = one(carry, (images, labels))
-        else:
-            (_, _, stats, grads, loss), _ = jax.lax.scan(one, carry, (micro(images), micro(labels)))
-        return (loss, stats), grads
+        def vjp(params, stats, images):  # (embeddings, pullback, new stats)
+            # stats enter as a primal too: NNX mutates BatchStats only of the trace that made them
+            return jax.vjp(partial(forward, images=images), params, stats, has_aux=True)
+
+        params, k = state["params"], self.accum_steps
+        if k == 1:
+            emb, pullback, stats = vjp(params, state["stats"], images)
+            return emb, stats, lambda d_emb: pullback(d_emb)[0]
+        micro = lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)  # micro-batch j = x[j::k]
+
+        def embed_one(carry, x):  # params ride in the carry: NNX merges only same-trace values
+            params, stats = carry
+            emb, stats = forward(params, stats, x)
+            return (params, stats), emb
+
+        (_, stats), embs = jax.lax.scan(embed_one, (params, state["stats"]), micro(images))
+
+        def grads(d_emb):
+            def grad_one(carry, batch):
+                params, stats, acc = carry
+                _, pullback, stats = vjp(params, stats, batch[0])
+                return (params, stats, jax.tree.map(jnp.add, acc, pullback(batch[1])[0])), None
+
+            init = (params, state["stats"], jax.tree.map(jnp.zeros_like, params))
+            return jax.lax.scan(grad_one, init, (micro(images), micro(d_emb)))[0][2]
+
+        return embs.swapaxes(0, 1).reshape(images.shape[0], -1), stats, grads

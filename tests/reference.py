@@ -53,3 +53,17 @@ def value_and_grads(embeddings, weight, labels, margin):
 def rel_err(actual, expected):
     actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
     return float(np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1e-30))
+
+
+def sgd_step(w, slots, g, lr, count, momentum=0.9, weight_decay=5e-4):
+    """torch.optim.SGD with momentum and L2 decay on float64 rows."""
+    buf = momentum * slots[0] + g + weight_decay * w
+    return w - lr * buf, (buf,)
+
+
+def adamw_step(w, slots, g, lr, count, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1):
+    """torch.optim.AdamW on float64 rows; ``count`` is the step being taken (1 first)."""
+    mu = b1 * slots[0] + (1 - b1) * g
+    nu = b2 * slots[1] + (1 - b2) * g * g
+    step = (mu / (1 - b1**count)) / (np.sqrt(nu / (1 - b2**count)) + eps)
+    return w - lr * (step + weight_decay * w), (mu, nu)

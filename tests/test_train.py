@@ -121,3 +121,23 @@ def test_gradient_accumulation_divides_the_loss():
     np.testing.assert_allclose(m1["loss"], m2["loss"], rtol=1e-6)
     for a, b in zip(jax.tree.leaves(one["params"]), jax.tree.leaves(two["params"])):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_float16_overflow_skips_backbone_and_fc_updates_and_halves_the_scale():
+    run, state = build(tiny_config(precision="float16", sample_rate=0.5))
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (32, 16, 16, 3), dtype=np.uint8)
+    labels = rng.integers(0, 64, 32).astype(np.int32)
+    step = jax.jit(run.trainer.train_step)
+    huge = state["scale"]._replace(scale=jnp.float32(2.0**120))  # d_emb · scale overflows float16
+    skipped, m = step({**state, "scale": huge}, images, labels)
+    assert not bool(m["finite"]) and float(skipped["scale"].scale) == 2.0**119
+    for k in ("params", "opt", "stats", "weight", "fc_opt"):
+        for a, b in zip(jax.tree.leaves(skipped[k]), jax.tree.leaves(state[k])):
+            np.testing.assert_array_equal(as_numpy(a), as_numpy(b), err_msg=k)
+    state["step"] = jnp.int32(1)  # past the warmup's lr = 0 for the FC (optax counts its own steps)
+    taken, m = step({**state, "scale": huge._replace(scale=jnp.float32(8.0))}, images, labels)
+    assert bool(m["finite"]) and int(taken["fc_opt"].count) == 1
+    assert not np.array_equal(taken["weight"], state["weight"])
+    momentum = lambda s: [x for x in jax.tree.leaves(s["opt"]) if x.ndim]
+    assert all(np.any(a != b) for a, b in zip(momentum(taken), momentum(state)))

@@ -85,7 +85,7 @@ def validate_labels(labels, num_classes: int) -> None:
                          f"({bad.size} bad labels in this batch)")
 
 
-def _validate(embeddings, weight, labels, mesh, class_axes, num_classes, row_classes):
+def check_inputs(embeddings, weight, labels, mesh, class_axes, num_classes, row_classes):
     for a in class_axes:
         if a not in mesh.axis_names:
             raise ValueError(f"class axis {a!r} is not a mesh axis {mesh.axis_names}")
@@ -148,11 +148,11 @@ def sharded_margin_loss(embeddings: jax.Array, weight: jax.Array, labels: jax.Ar
         if row_classes is not None:
             raise ValueError("num_classes is required with row_classes")
         num_classes = weight.shape[0]
-    _validate(embeddings, weight, labels, mesh, class_axes, num_classes, row_classes)
+    check_inputs(embeddings, weight, labels, mesh, class_axes, num_classes, row_classes)
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     if row_classes is None:
-        row_classes = _full_row_classes(weight.shape[0], mesh, class_axes)
+        row_classes = full_row_classes(weight.shape[0], mesh, class_axes)
     per_shard = partial(_per_shard_loss, margin=margin, class_axes=class_axes, num_classes=num_classes,
                         chunk_size=chunk_size, global_batch=embeddings.shape[0])
     loss = jax.shard_map(per_shard, mesh=mesh, in_specs=(P(AXES, None), P(class_axes, None), P(AXES), P(class_axes)),
@@ -161,7 +161,7 @@ def sharded_margin_loss(embeddings: jax.Array, weight: jax.Array, labels: jax.Ar
     return jnp.where(invalid, jnp.nan, loss)
 
 
-def _full_row_classes(rows: int, mesh: Mesh, class_axes) -> jax.Array:
+def full_row_classes(rows: int, mesh: Mesh, class_axes) -> jax.Array:
     """``arange(rows)`` sharded ``P(class_axes)``: row r of the full weight is class r."""
     return jax.lax.with_sharding_constraint(jnp.arange(rows, dtype=jnp.int32), NamedSharding(mesh, P(class_axes)))
 
@@ -212,7 +212,7 @@ def _tile_logits(e_n, w_tile, labels, valid, first_col, owned_from, margin):
     return jnp.where(owned, logits, masked_fill_value(jnp.float32)), rel
 
 
-def _tile_starts(c_local: int, tile: int, i):
+def tile_starts(c_local: int, tile: int, i):
     """Tile ``i`` covers ``[first, first + tile)``, shifted back to stay in bounds; it owns columns from ``i·tile``."""
     return jnp.minimum(i * tile, c_local - tile), i * tile
 
@@ -228,14 +228,15 @@ def _tile(weight, row_valid, first, chunk_size):
             lax.dynamic_slice_in_dim(row_valid, first, chunk_size))
 
 
-def _chunked_forward(e_n, weight, labels, row_valid, margin, axis_name, chunk_size):
-    c_local = weight.shape[0]
-    n_tiles = -(-c_local // chunk_size)
+def online_stats(e_n, labels, n_tiles, tile_at, margin):
+    """Per-shard softmax statistics ``(row_max, row_sum, target)`` ``[N]`` over class tiles, one at a time.
+
+    ``tile_at(i)`` returns ``(w_tile [T, D], valid [T], first, owned)`` for tile ``i`` (see ``_tile_logits``).
+    """
 
     def step(carry, i):
         row_max, row_sum, target = carry
-        first, owned = _tile_starts(c_local, chunk_size, i)
-        w_tile, valid = _tile(weight, row_valid, first, chunk_size)
+        w_tile, valid, first, owned = tile_at(i)
         logits, rel = _tile_logits(e_n, w_tile, labels, valid, first, owned, margin)
         new_max = jnp.maximum(row_max, jnp.max(logits, axis=1))
         row_sum = row_sum * jnp.exp(row_max - new_max) + jnp.sum(jnp.exp(logits - new_max[:, None]), axis=1)
@@ -243,8 +244,25 @@ def _chunked_forward(e_n, weight, labels, row_valid, margin, axis_name, chunk_si
 
     zeros = jnp.zeros_like(e_n[:, 0], jnp.float32)  # zeros_like keeps e_n's varying mesh axes
     init = (zeros + masked_fill_value(jnp.float32), zeros, zeros)
-    (row_max, row_sum, target), _ = lax.scan(step, init, jnp.arange(n_tiles))
-    lse, loss = combine_stats(row_max, row_sum, target, axis_name)
+    return lax.scan(step, init, jnp.arange(n_tiles))[0]
+
+
+def tile_grads(e_n, w_tile, labels, valid, first, owned, margin, lse, g):
+    """Gradients ``(d e_n [N, D], d w_tile [T, D])`` of ``Σ g·loss`` through one class tile, given the global ``lse``."""
+    tile_fn = lambda e, w: _tile_logits(e, w, labels, valid, first, owned, margin)
+    logits, pullback, rel = jax.vjp(tile_fn, e_n, w_tile, has_aux=True)
+    return pullback(softmax_minus_onehot(logits, rel, lse, 0) * g[:, None])
+
+
+def _chunked_forward(e_n, weight, labels, row_valid, margin, axis_name, chunk_size):
+    c_local = weight.shape[0]
+
+    def tile_at(i):
+        first, owned = tile_starts(c_local, chunk_size, i)
+        return *_tile(weight, row_valid, first, chunk_size), first, owned
+
+    stats = online_stats(e_n, labels, -(-c_local // chunk_size), tile_at, margin)
+    lse, loss = combine_stats(*stats, axis_name)
     return loss, (e_n, weight, labels, row_valid, lse)
 
 
@@ -254,11 +272,9 @@ def _chunked_backward(margin, axis_name, chunk_size, residuals, g):
 
     def step(carry, i):
         d_e, d_w = carry
-        first, owned = _tile_starts(c_local, chunk_size, i)
+        first, owned = tile_starts(c_local, chunk_size, i)
         w_tile, valid = _tile(weight, row_valid, first, chunk_size)
-        tile_fn = lambda e, w: _tile_logits(e, w, labels, valid, first, owned, margin)
-        logits, pullback, rel = jax.vjp(tile_fn, e_n, w_tile, has_aux=True)
-        d_e_tile, d_w_tile = pullback(softmax_minus_onehot(logits, rel, lse, 0) * g[:, None])
+        d_e_tile, d_w_tile = tile_grads(e_n, w_tile, labels, valid, first, owned, margin, lse, g)
         d_w = lax.dynamic_update_slice_in_dim(d_w, lax.dynamic_slice_in_dim(d_w, first, chunk_size) + d_w_tile,
                                               first, axis=0)
         return (d_e + d_e_tile.astype(jnp.float32), d_w), None

@@ -1,0 +1,153 @@
+"""The fused FC step (``FCHead.step``): loss, embedding gradient and sparse update against float64 references."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hlo import collectives
+from jaxcls import batch_sharding, make_mesh
+from jaxcls.fc import FCHead
+from jaxcls.losses import class_shards, sharded_margin_loss
+from jaxcls.partial_fc import gather_rows
+from jaxcls.sparse_fc import SparseState, adamw, sgd
+from reference import MARGINS, adamw_step, rel_err, sgd_step, value_and_grads
+
+LAYOUTS = [((1, 8), ("data", "class")), ((2, 4), ("data", "class")), ((2, 4), ("class",)), ((4, 2), ("class",))]
+OPTIMIZERS = {"sgd": (sgd, sgd_step), "adamw": (adamw, adamw_step)}
+
+
+def setup(rng, mesh_shape, class_axes, rate, chunk, optimizer="sgd", margin="arcface", dtype=jnp.float32):
+    """A head with random weight and optimizer state, a batch, and its sample."""
+    mesh = make_mesh(*mesh_shape)
+    shards = class_shards(mesh, class_axes)
+    c, d, n = shards * int(rng.integers(12, 40)) - int(rng.integers(0, shards)), int(rng.integers(4, 17)), 16
+    head = FCHead(mesh, c, d, MARGINS[margin], OPTIMIZERS[optimizer][0](state_dtype=dtype), sample_rate=rate,
+                  class_axes=class_axes, chunk_size=chunk, dtype=dtype)
+    weight, state = head.init(jax.random.key(int(rng.integers(2**31))))
+    real = np.arange(head.rows)[:, None] < c
+    noise = lambda x, f: jax.device_put(np.where(real, f(rng.normal(size=x.shape)), 0).astype(dtype), x.sharding)
+    weight = noise(weight, lambda x: x)
+    state = SparseState(tuple(noise(s, np.square) for s in state.slots), jnp.int32(int(rng.integers(0, 50))))
+    emb = jax.device_put(rng.normal(size=(n, d)).astype(np.float32), batch_sharding(mesh))
+    labels = jax.device_put(rng.integers(0, c, size=n).astype(np.int32), batch_sharding(mesh))
+    sample = jax.jit(head.sample)(jax.random.key(int(rng.integers(2**31))), labels)
+    return head, weight, state, emb, labels, sample
+
+
+def sampled_global_rows(head, sample):
+    """Global row index of every sampled row, in sample order (every row without sampling)."""
+    if sample is None:
+        return np.arange(head.rows)
+    shards = class_shards(head.mesh, head.class_axes)
+    per_shard = len(sample.rows) // shards
+    return np.asarray(sample.rows) + np.repeat(np.arange(shards) * (head.rows // shards), per_shard)
+
+
+def run(head, weight, state, emb, labels, sample, lr, **kwargs):
+    step = jax.jit(lambda w, s, e, l, smp: head.step(w, s, e, l, smp, lr, **kwargs))
+    return step(weight, state, emb, labels, sample)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("rate,chunk", [(1.0, None), (1.0, 7), (0.3, None), (0.3, 5)], ids=str)
+@pytest.mark.parametrize("mesh_shape,class_axes", LAYOUTS, ids=str)
+def test_fused_step_equals_dense_float64_reference(mesh_shape, class_axes, rate, chunk, optimizer, rng):
+    head, weight, state, emb, labels, sample = setup(rng, mesh_shape, class_axes, rate, chunk, optimizer)
+    lr = float(rng.uniform(0.01, 0.5))
+    loss, d_emb, new_w, new_state = run(head, weight, state, emb, labels, sample, lr)
+
+    rows = sampled_global_rows(head, sample)
+    rows = rows[rows < head.num_classes]  # the restricted problem: the sampled real classes
+    w_rows = np.asarray(weight, np.float64)[rows]
+    ref_loss, (ref_d_emb, ref_g) = value_and_grads(emb, w_rows, np.searchsorted(rows, np.asarray(labels)),
+                                                   head.margin)
+    count = int(state.count) + 1
+    ref_w, ref_slots = OPTIMIZERS[optimizer][1](w_rows, [np.asarray(s, np.float64)[rows] for s in state.slots],
+                                                ref_g, lr, count)
+    assert rel_err(loss, ref_loss) < 1e-5
+    assert rel_err(d_emb, ref_d_emb) < 1e-5
+    assert rel_err(np.asarray(new_w)[rows] - w_rows, ref_w - w_rows) < 1e-4  # the step itself, not w + step
+    for new, ref in zip(new_state.slots, ref_slots):
+        assert rel_err(np.asarray(new)[rows], ref) < 1e-4
+    assert int(new_state.count) == count
+    untouched = np.setdiff1d(np.arange(head.rows), rows)  # unsampled and padding rows: bit for bit
+    assert np.array_equal(np.asarray(new_w)[untouched], np.asarray(weight)[untouched])
+    for new, old in zip(new_state.slots, state.slots):
+        assert np.array_equal(np.asarray(new)[untouched], np.asarray(old)[untouched])
+
+
+@pytest.mark.parametrize("margin", sorted(MARGINS))
+def test_fused_step_equals_autodiff_route(margin, rng):
+    """Same numbers as ``sharded_margin_loss`` differentiated by JAX plus ``SparseOptimizer.update``."""
+    head, weight, state, emb, labels, sample = setup(rng, (2, 4), ("data", "class"), 0.5, 4, "sgd", margin)
+    loss, d_emb, new_w, new_state = run(head, weight, state, emb, labels, sample, 0.1)
+    f = lambda e, r: sharded_margin_loss(e, r, labels, head.margin, mesh=head.mesh, num_classes=head.num_classes,
+                                         row_classes=sample.classes)
+    ref_loss, (ref_d_emb, g_rows) = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(
+        emb, gather_rows(weight, sample, mesh=head.mesh))
+    ref_w, ref_state = jax.jit(lambda w, s, g: head.optimizer.update(w, s, sample.rows, g, 0.1, mesh=head.mesh))(
+        weight, state, g_rows)
+    assert rel_err(loss, ref_loss) < 1e-6  # float32 both ways, summed in another order
+    assert rel_err(d_emb, ref_d_emb) < 1e-5
+    assert rel_err(np.asarray(new_w) - weight, np.asarray(ref_w) - weight) < 1e-5
+    assert rel_err(new_state.slots[0], ref_state.slots[0]) < 1e-5
+
+
+def test_skipped_or_gradient_only_steps_leave_the_fc_untouched(rng):
+    head, weight, state, emb, labels, sample = setup(rng, (2, 4), ("data", "class"), 0.3, 5, "adamw")
+    loss, d_emb, _, _ = run(head, weight, state, emb, labels, sample, 0.1)
+    for kwargs in ({"apply": jnp.bool_(False)}, {"update": False}):
+        loss2, d_emb2, new_w, new_state = run(head, weight, state, emb, labels, sample, 0.1, **kwargs)
+        assert float(loss2) == float(loss) and np.array_equal(d_emb2, d_emb)
+        assert np.array_equal(new_w, weight) and int(new_state.count) == int(state.count)
+        for new, old in zip(new_state.slots, state.slots):
+            assert np.array_equal(new, old)
+
+
+def test_bad_label_under_jit_gives_nan_and_leaves_the_fc_untouched(rng):
+    head, weight, state, emb, labels, sample = setup(rng, (1, 8), ("data", "class"), 1.0, None)
+    bad = jax.device_put(np.asarray(labels).copy(), labels.sharding).at[3].set(head.num_classes)
+    loss, _, new_w, new_state = run(head, weight, state, emb, bad, sample, 0.1)
+    assert np.isnan(float(loss)) and np.array_equal(new_w, weight) and int(new_state.count) == int(state.count)
+    with pytest.raises(ValueError, match=f"label {head.num_classes} at batch index 3"):
+        head.step(weight, state, emb, jax.device_put(bad, labels.sharding), sample, 0.1)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_compact_storage_matches_the_autodiff_route(dtype, rng):
+    head, weight, state, emb, labels, sample = setup(rng, (2, 4), ("data", "class"), 0.3, 6, "sgd", dtype=dtype)
+    loss, _, new_w, new_state = run(head, weight, state, emb, labels, sample, 0.1)
+    assert new_w.dtype == dtype and new_state.slots[0].dtype == dtype
+    f = lambda r: sharded_margin_loss(emb, r, labels, head.margin, mesh=head.mesh, num_classes=head.num_classes,
+                                      row_classes=sample.classes)
+    g_rows = jax.jit(jax.grad(f))(gather_rows(weight, sample, mesh=head.mesh))
+    ref_w, _ = jax.jit(lambda w, s, g: head.optimizer.update(w, s, sample.rows, g, 0.1, mesh=head.mesh))(
+        weight, state, g_rows)
+    ulp = float(jnp.finfo(dtype).eps)  # float32 arithmetic, then one rounding each: at most one ulp apart
+    np.testing.assert_allclose(np.asarray(new_w, np.float32), np.asarray(ref_w, np.float32), rtol=ulp, atol=1e-6)
+
+
+def compiled_fc_step(mesh, c, rate, chunk, d=64, n=64):
+    head = FCHead(mesh, c, d, MARGINS["arcface"], sgd(), sample_rate=rate, chunk_size=chunk)
+    weight, state = jax.eval_shape(head.init, jax.random.key(0))
+    emb = jax.ShapeDtypeStruct((n, d), jnp.float32, sharding=batch_sharding(mesh))
+    labels = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=batch_sharding(mesh))
+
+    def step(weight, state, emb, labels, key):
+        return head.step(weight, state, emb, labels, head.sample(key, labels), 0.1)
+
+    return jax.jit(step, donate_argnums=(0, 1)).lower(weight, state, emb, labels, jax.random.key(0)).compile()
+
+
+@pytest.mark.parametrize("rate", [1.0, 0.25])
+def test_compiled_step_updates_in_place_with_no_class_sized_temporaries_or_collectives(rate):
+    mesh, d, n = make_mesh(2, 4), 64, 64
+    small, large = (compiled_fc_step(mesh, 8 * rows, rate, chunk=512) for rows in (4096, 16384))
+    sizes = [size for _, size in collectives(large.as_text())]
+    assert sizes and max(sizes) <= n * d, f"a collective scales with the classes: {sizes}"
+    m_small, m_large = small.memory_analysis(), large.memory_analysis()
+    row_bytes = 2 * d * 4  # weight and momentum, float32
+    assert m_large.alias_size_in_bytes >= 16384 * row_bytes, "weight and momentum must be updated in place"
+    per_row = (m_large.temp_size_in_bytes - m_small.temp_size_in_bytes) / (16384 - 4096)
+    assert per_row < 8, f"temporaries grow by {per_row:.1f} B per class row (a row holds {row_bytes} B)"
