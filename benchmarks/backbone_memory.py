@@ -4,8 +4,10 @@
     python benchmarks/backbone_memory.py --small    # r18 at 32×32; what the test suite runs
 
 Columns: ``saved_bytes`` = activations kept for the backward (the vjp residuals, exact on any backend);
-``temp_bytes`` = compiled temp memory of a full gradient step from ``memory_analysis()``. XLA:CPU schedules
-recomputation early, so remat shows in ``saved_bytes`` but not in CPU ``temp_bytes``; on a GPU both drop.
+``temp_bytes`` = compiled temp memory of a full gradient step from ``memory_analysis()``. IResNet scans its
+identical blocks, so their recomputation runs inside the backward loop and ``temp_bytes`` drops on CPU too;
+blocks applied one by one (IResNet's first block per stage, MobileFaceNet, ViT) are recomputed early by
+XLA:CPU's scheduler, so there remat shows in ``saved_bytes`` only.
 """
 
 from __future__ import annotations

@@ -43,12 +43,15 @@ from jaxcls.mesh import AXES
 from jaxcls.partial_fc import ClassSample, sample_budget, sample_classes
 from jaxcls.sparse_fc import SparseOptimizer, SparseState
 
+DEFAULT_CHUNK = 65_536  # rows per tile: temporaries O(N·T + T·D), large enough to keep a GPU's matmuls busy
+
 
 @dataclasses.dataclass(frozen=True)
 class FCHead:
     """FC weight ``[C_pad, D]`` sharded ``P(class_axes, None)`` in storage ``dtype``, with its loss and optimizer.
 
-    ``chunk_size``: rows per tile (``None``: one tile per shard, i.e. the whole ``[N, C_local]`` logits).
+    ``chunk_size``: rows per tile (``None``: one tile per shard, i.e. the whole ``[N, C_local]`` logits and
+    a gathered copy of every row taking part: several times the FC's own memory, fine for small C only).
     """
 
     mesh: Mesh
@@ -58,7 +61,7 @@ class FCHead:
     optimizer: SparseOptimizer
     sample_rate: float = 1.0
     class_axes: tuple = DEFAULT_CLASS_AXES
-    chunk_size: int | None = None
+    chunk_size: int | None = DEFAULT_CHUNK
     dtype: Any = jnp.float32
 
     def __post_init__(self):

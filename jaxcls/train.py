@@ -85,7 +85,7 @@ def build(config, devices=None, with_data: bool = True) -> tuple[Run, dict]:
                                                weight_decay=config.weight_decay, state_dtype=fc_dtype),
                   sample_rate=config.sample_rate, class_axes=tuple(config.class_axes.split(",")),
                   chunk_size=config.chunk_size or None, dtype=fc_dtype)
-    tx = backbone_optimizer(config.optimizer, schedule, momentum=config.momentum,
+    tx = backbone_optimizer(config.optimizer, momentum=config.momentum,
                             weight_decay=config.weight_decay, clip=config.clip_grad_norm)
     scaler = DynamicLossScale(config.loss_scale.initial, config.loss_scale.growth_interval,
                               enabled=config.precision == "float16")

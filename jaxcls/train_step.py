@@ -29,12 +29,14 @@ def lr_schedule(lr: float, warmup_steps: int, total_steps: int, power: float = 2
     ], [warmup_steps])
 
 
-def backbone_optimizer(name: str, schedule, *, momentum: float, weight_decay: float, clip: float):
-    """Gradient-norm clip on the backbone, then SGD-momentum with L2 decay or AdamW (arcface_torch)."""
+def backbone_optimizer(name: str, *, momentum: float, weight_decay: float, clip: float):
+    """Gradient-norm clip on the backbone, then SGD-momentum with L2 decay or AdamW (arcface_torch), at unit
+    learning rate: the step multiplies the update by the schedule at the global step, so a skipped float16
+    step (optimizer state untouched) does not delay the schedule, as torch's per-iteration scheduler."""
     if name == "sgd":
-        tx = optax.chain(optax.add_decayed_weights(weight_decay), optax.sgd(schedule, momentum=momentum))
+        tx = optax.chain(optax.add_decayed_weights(weight_decay), optax.sgd(1.0, momentum=momentum))
     elif name == "adamw":
-        tx = optax.adamw(schedule, weight_decay=weight_decay)
+        tx = optax.adamw(1.0, weight_decay=weight_decay)
     else:
         raise ValueError(f"unknown optimizer {name!r}; choose sgd or adamw")
     return optax.chain(optax.clip_by_global_norm(clip), tx) if clip > 0 else tx
@@ -76,6 +78,7 @@ class Trainer:
         if self.scaler.enabled:
             _, _, weight, fc_opt = fc_step(apply=finite)
         updates, opt = self.tx.update(g_params, state["opt"], state["params"])
+        updates = jax.tree.map(lambda u: lr * u, updates)
         new = {"params": optax.apply_updates(state["params"], updates), "opt": opt, "stats": stats}
         if self.scaler.enabled:  # a non-finite step changes nothing but the scale
             new = select_tree(finite, new, {k: state[k] for k in new})

@@ -13,6 +13,7 @@ import jax
 from flax import nnx
 
 from jaxcls.models.iresnet import STAGES, IResNet
+from jaxcls.models.layers import REMAT_POLICIES
 from jaxcls.models.mobilefacenet import MobileFaceNet
 from jaxcls.models.vit import VisionTransformer
 
@@ -29,6 +30,8 @@ def get_model(name: str, num_features: int = 512, *, rngs: nnx.Rngs | None = Non
     """Build backbone ``name``; it maps ``[N, H, W, 3]`` float images to ``[N, num_features]`` float32."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODELS)}")
+    if kwargs.get("remat", "none") not in REMAT_POLICIES:
+        raise ValueError(f"unknown remat policy {kwargs['remat']!r}; choose one of {sorted(REMAT_POLICIES)}")
     rngs = nnx.Rngs(0) if rngs is None else rngs
     return MODELS[name](num_features=num_features, rngs=rngs, **kwargs)
 

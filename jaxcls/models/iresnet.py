@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxcls.models.layers import BatchNorm, PReLU, conv, remat_call, tag_block_output
+from jaxcls.models.layers import BatchNorm, BlockStack, PReLU, conv, remat_call, tag_block_output
 
 STAGES = {"r18": (2, 2, 2, 2), "r34": (3, 4, 6, 3), "r50": (3, 4, 14, 3), "r100": (3, 13, 30, 3),
           "r200": (6, 26, 60, 6)}
@@ -50,12 +50,13 @@ class IResNet(nnx.Module):
         self.conv1 = conv(3, widths[0], 3, padding=1, dtype=dtype, rngs=rngs, init=_CONV_INIT)
         self.bn1 = BatchNorm(widths[0], dtype=dtype)
         self.prelu = PReLU(widths[0])
-        blocks, in_ch = [], widths[0]
-        for depth, width in zip(stages, widths):
-            for i in range(depth):
-                blocks.append(IBasicBlock(in_ch, width, 2 if i == 0 else 1, dtype=dtype, rngs=rngs))
-                in_ch = width
-        self.blocks = nnx.List(blocks)
+        firsts, rests, in_ch = [], [], widths[0]
+        for depth, width in zip(stages, widths):  # a stage: one strided block, then depth − 1 identical ones
+            firsts.append(IBasicBlock(in_ch, width, 2, dtype=dtype, rngs=rngs))
+            make = lambda rngs, width=width: IBasicBlock(width, width, 1, dtype=dtype, rngs=rngs)
+            rests.append(BlockStack(make, depth - 1, remat=remat, rngs=rngs) if depth > 1 else None)
+            in_ch = width
+        self.firsts, self.rests = nnx.List(firsts), nnx.List(rests)
         self.bn2 = BatchNorm(in_ch, dtype=dtype)
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
         spatial = input_size // 16
@@ -64,7 +65,8 @@ class IResNet(nnx.Module):
 
     def __call__(self, x):
         x = self.prelu(self.bn1(self.conv1(x.astype(self.dtype))))
-        for block in self.blocks:
-            x = remat_call(block, x, self.remat)
+        for first, rest in zip(self.firsts, self.rests):
+            x = remat_call(first, x, self.remat)
+            x = x if rest is None else rest(x)
         x = self.dropout(self.bn2(x).reshape(x.shape[0], -1))
         return self.features(self.fc(x.astype(jnp.float32)))
