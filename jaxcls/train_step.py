@@ -73,6 +73,7 @@ class Trainer:
         emb, stats, backbone_grads = self._embed(state, images)
         fc_step = partial(self.head.step, state["weight"], state["fc_opt"], emb, labels, sample, lr)
         loss, d_emb, weight, fc_opt = fc_step(update=not self.scaler.enabled)
+        # scaling d loss/d embeddings scales the loss: float16 backbone gradients then stay representable
         g_params = self.scaler.unscale(backbone_grads(self.scaler.scale_loss(d_emb, scale)), scale)
         finite = all_finite(g_params) & jnp.isfinite(loss)
         if self.scaler.enabled:
