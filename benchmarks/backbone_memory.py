@@ -1,7 +1,7 @@
 """Backbone memory and CPU step time per precision × remat policy, and fused vs unfused ops.
 
     python benchmarks/backbone_memory.py            # r50 at 112×112, batch 8 (timing: batch 2, 2 steps)
-    python benchmarks/backbone_memory.py --small    # r18 at 32×32; what the test suite runs
+    python benchmarks/backbone_memory.py --small    # r18 at 32×32 and one ViT-t row; what the test suite runs
 
 Columns: ``saved_bytes`` = activations kept for the backward (the vjp residuals, exact on any backend);
 ``temp_bytes`` = compiled temp memory of a full gradient step from ``memory_analysis()``. IResNet scans its
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from common import print_table, write_json
 from flax import nnx
 
-from jaxcls.models import get_model
+from jaxcls.models import create, get_model
 from jaxcls.models.layers import REMAT_POLICIES
 from jaxcls.precision import DTYPES
 
@@ -35,7 +35,7 @@ def measure(name, dtype, remat, batch, size, time_batch, steps, **model_kwargs):
     graphdef, state = nnx.split(abstract)
     x = jax.ShapeDtypeStruct((batch, size, size, 3), jnp.float32)
     grad_step = jax.jit(lambda s, x: nnx.grad(loss_of)(nnx.merge(graphdef, s), x))
-    temp = grad_step.lower(state, x).compile().memory_analysis().temp_size_in_bytes
+    compiled = grad_step.lower(state, x).compile()
 
     abstract.eval()  # frozen statistics: a pure function of the parameters, for jax.vjp
     g, params, rest = nnx.split(abstract, nnx.Param, ...)
@@ -43,15 +43,16 @@ def measure(name, dtype, remat, batch, size, time_batch, steps, **model_kwargs):
     saved = sum(r.size * r.dtype.itemsize for r in jax.tree.leaves(pullback))
 
     row = {"model": name, "dtype": dtype, "remat": remat, "batch": batch, "size": size, "saved_bytes": saved,
-           "temp_bytes": int(temp), **{k: str(v) for k, v in model_kwargs.items()}}
+           "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+           **{k: str(v) for k, v in model_kwargs.items()}}
     if steps:
-        model = make()
-        graphdef, state = nnx.split(model)
+        state = nnx.split(create(make))[1]
+        step = compiled if time_batch == batch else grad_step
         xs = jax.random.normal(jax.random.key(0), (time_batch, size, size, 3))
-        jax.block_until_ready(grad_step(state, xs))
+        jax.block_until_ready(step(state, xs))
         start = time.perf_counter()
         for _ in range(steps):
-            jax.block_until_ready(grad_step(state, xs))
+            jax.block_until_ready(step(state, xs))
         row["cpu_s_per_image"] = (time.perf_counter() - start) / steps / time_batch
     return row
 
@@ -63,13 +64,14 @@ def main():
     parser.add_argument("--steps", type=int, default=2, help="timed steps per config (0: memory only)")
     parser.add_argument("--out", default="benchmarks/results/backbone_memory.json")
     args = parser.parse_args()
-    name, size, batch, time_batch = (("r18", 32, 8, 2) if args.small else (args.model, 112, 8, 2))
+    name, size, batch, time_batch = (("r18", 32, 8, 8) if args.small else (args.model, 112, 8, 2))
     dtypes = ("float32",) if args.small else tuple(DTYPES)
     policies = ("none", "full") if args.small else tuple(REMAT_POLICIES)
     rows = [measure(name, d, r, batch, size, time_batch, 1 if args.small else args.steps)
             for d in dtypes for r in policies]
-    vit_size = 18 if args.small else 112
-    rows += [measure("vit_t", "float32", "none", batch, vit_size, time_batch, 0, act=act) for act in ("silu", "fused_silu")]
+    activations = ("fused_silu",) if args.small else ("silu", "fused_silu")  # --small: the code path, once
+    rows += [measure("vit_t", "float32", "none", batch, 18 if args.small else 112, time_batch, 0, act=act)
+             for act in activations]
     print_table(rows, ["model", "dtype", "remat", "act", "batch", "size", "saved_bytes", "temp_bytes",
                        "cpu_s_per_image"])
     write_json(args.out, rows)

@@ -32,9 +32,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from common import print_table, write_json  # noqa: E402
 
-from jaxcls import batch_sharding, make_mesh  # noqa: E402
+from jaxcls import batch_sharding, make_mesh, padded_num_classes, weight_sharding  # noqa: E402
 from jaxcls.fc import FCHead  # noqa: E402
-from jaxcls.losses import arcface, padded_num_classes, sharded_margin_loss, weight_sharding  # noqa: E402
+from jaxcls.losses import arcface, sharded_margin_loss  # noqa: E402
 from jaxcls.mesh import replicated  # noqa: E402
 from jaxcls.partial_fc import gather_rows  # noqa: E402
 from jaxcls.sparse_fc import sgd  # noqa: E402
@@ -89,10 +89,12 @@ def main():
     else:
         grid, n, d = [1 << 20, 8 << 20, 30_000_000, 40_000_000], args.batch, args.dim
     mesh = make_mesh()
+    dtypes = (jnp.float32,) if args.small else (jnp.float32, jnp.bfloat16)
+    cases = ((1.0, None), (0.1, 65_536)) if args.small else ((1.0, None), (1.0, 65_536), (0.1, None), (0.1, 65_536))
     rows = []
     for c in grid:
-        for dtype in (jnp.float32, jnp.bfloat16):
-            for rate, chunk in ((1.0, None), (1.0, 65_536), (0.1, None), (0.1, 65_536)):
+        for dtype in dtypes:
+            for rate, chunk in cases:
                 c_local = padded_num_classes(c, mesh.size) // mesh.size
                 if chunk is not None and chunk >= rate * c_local:
                     chunk = max(1, int(rate * c_local) // 4)

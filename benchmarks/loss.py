@@ -24,8 +24,8 @@ import optax  # noqa: E402
 from common import compiled_memory, peak_device_bytes, print_table, time_ms, write_json  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from jaxcls import batch_sharding, make_mesh  # noqa: E402
-from jaxcls.losses import arcface, l2_normalize, padded_num_classes, sharded_margin_loss, weight_sharding  # noqa: E402
+from jaxcls import batch_sharding, make_mesh, padded_num_classes, weight_sharding  # noqa: E402
+from jaxcls.losses import arcface, l2_normalize, sharded_margin_loss  # noqa: E402
 
 MARGIN = arcface()
 

@@ -22,8 +22,13 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
+_PROBED: dict[int, dict | None] = {}
+
+
 def probe(classes, args) -> dict | None:
-    """Run the step at ``classes`` in a subprocess; its measurement row, or None if it failed."""
+    """Run the step at ``classes`` in a subprocess (once per C); its measurement row, or None if it failed."""
+    if classes in _PROBED:
+        return _PROBED[classes]
     cmd = [sys.executable, str(HERE / "max_classes.py"), "--probe", str(classes), "--model", args.model,
            "--batch", str(args.batch), "--steps", str(args.steps), "--budget-bytes", str(args.budget_bytes)]
     if args.small:
@@ -32,7 +37,8 @@ def probe(classes, args) -> dict | None:
     lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
     ok = proc.returncode == 0 and lines
     print(f"  C={classes:>12,}: {'ok' if ok else 'fails'}", flush=True)
-    return json.loads(lines[-1]) if ok else None
+    _PROBED[classes] = json.loads(lines[-1]) if ok else None
+    return _PROBED[classes]
 
 
 def run_probe(args):
@@ -73,7 +79,7 @@ def main():
         return run_probe(args)
     if args.small:
         args.model, args.batch, args.steps = "r18", 32, 1
-        args.low, args.high, args.resolution = 1_000, 40_000, 20_000
+        args.low, args.high, args.resolution = 1_000, 2_000, 1_000  # one probe: the CPU path, not a bisection
         args.budget_bytes = args.budget_bytes or 16 * 2**20
 
     from common import print_table, write_json

@@ -25,9 +25,9 @@ from common import compiled_memory, peak_device_bytes, print_table, write_json  
 
 from jaxcls.config import base_config  # noqa: E402
 from jaxcls.data.pipeline import device_batch, train_batches  # noqa: E402
-from jaxcls.data.sources import make_source  # noqa: E402
+from jaxcls.data.recordio import MXFaceDataset  # noqa: E402
 from jaxcls.mesh import batch_sharding  # noqa: E402
-from jaxcls.train import build, compile_step  # noqa: E402
+from jaxcls.run import build  # noqa: E402
 
 
 def step_config(model, batch, num_classes, sample_rate, precision, size, overrides=()):
@@ -44,8 +44,8 @@ def step_config(model, batch, num_classes, sample_rate, precision, size, overrid
 
 
 def measure(config, steps, pipeline_root=None, warmup=3):
-    run, state = build(config)
-    step = compile_step(run)
+    run = build(config)
+    state, step = run.init_state(), run.jit_step()
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, (config.batch_size, config.data.input_size, config.data.input_size, 3), np.uint8)
     labels = rng.integers(0, config.num_classes, config.batch_size).astype(np.int32)
@@ -54,7 +54,7 @@ def measure(config, steps, pipeline_root=None, warmup=3):
     compiled = step.lower(state, *fixed).compile()
     batches = None
     if pipeline_root:
-        source = make_source("recordio", pipeline_root)
+        source = MXFaceDataset(pipeline_root)
         batches = train_batches(source, batch_size=config.batch_size, size=config.data.input_size, seed=0,
                                 threads=16, process_index=0, process_count=1)
     next_batch = (lambda: device_batch(next(batches), sharding)) if batches else (lambda: fixed)

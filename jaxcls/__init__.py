@@ -1,6 +1,6 @@
 """jaxcls: classification with millions of classes in JAX."""
 
-from jaxcls.mesh import batch_sharding, make_mesh
+from jaxcls.mesh import batch_sharding, class_shards, make_mesh, padded_num_classes, weight_sharding
 
 __version__ = "0.1.0"
-__all__ = ["batch_sharding", "make_mesh"]
+__all__ = ["batch_sharding", "class_shards", "make_mesh", "padded_num_classes", "weight_sharding"]

@@ -6,9 +6,20 @@ not in ``base_config()`` are an error, as are inconsistent values (see ``validat
 
 from __future__ import annotations
 
+import functools
+
 import ml_collections
 
+from jaxcls.data.sources import SOURCES
+from jaxcls.fc import DEFAULT_CHUNK
 from jaxcls.losses.margins import MARGINS
+from jaxcls.mesh import CLASS_AXES
+from jaxcls.models import MODELS
+from jaxcls.models.layers import REMAT_POLICIES
+from jaxcls.optimizers import OPTIMIZERS
+from jaxcls.partial_fc import check_sample_rate
+from jaxcls.precision import DTYPES
+from jaxcls.registry import lookup
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -31,7 +42,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.sample_rate = 1.0  # PartialFC
     c.class_axes = "data,class"  # "data,class" (every device) or "class"
     c.mesh_data = 1  # size of the data axis; the class axis takes the remaining devices
-    c.chunk_size = 65_536  # FC rows per tile of the fused FC step (0: one tile per shard)
+    c.chunk_size = DEFAULT_CHUNK  # FC rows per tile of the fused FC step (0: one tile per shard)
     c.fc_dtype = "float32"  # storage of FC weight and its optimizer state
     # Optimization (arcface_torch defaults).
     c.optimizer = "sgd"  # sgd | adamw
@@ -70,23 +81,32 @@ def check_keys(config, reference=None, prefix="") -> None:
             check_keys(value, reference[key], name + ".")
 
 
-def validate(config, num_devices: int, data_classes: int | None = None) -> None:
-    """Raise ``ValueError`` naming the first inconsistent value."""
+# (key, its registry, what the error calls it): every named choice of a config
+NAMED_CHOICES = [
+    ("model", MODELS, "model"), ("remat", REMAT_POLICIES, "remat policy"), ("precision", DTYPES, "precision"),
+    ("fc_dtype", DTYPES, "fc_dtype"), ("margin.name", MARGINS, "margin"), ("optimizer", OPTIMIZERS, "optimizer"),
+    ("class_axes", CLASS_AXES, "class_axes"), ("data.kind", SOURCES, "data source"),
+]
+
+
+def validate(config, num_devices: int) -> None:
+    """Raise ``ValueError`` naming the first unknown key, unknown name or inconsistent value; builds nothing."""
     check_keys(config)
+    for key, table, what in NAMED_CHOICES:
+        lookup(table, functools.reduce(lambda node, part: node[part], key.split("."), config), what)
     if config.batch_size % (num_devices * config.accum_steps):
         raise ValueError(f"batch_size {config.batch_size} is not divisible by {num_devices} devices × "
                          f"accum_steps {config.accum_steps}")
-    if not 0.0 < config.sample_rate <= 1.0:
-        raise ValueError(f"sample_rate must be in (0, 1], got {config.sample_rate}")
+    check_sample_rate(config.sample_rate)
     if num_devices % config.mesh_data:
         raise ValueError(f"mesh_data {config.mesh_data} does not divide the {num_devices} devices")
-    if config.margin.name not in MARGINS:
-        raise ValueError(f"unknown margin {config.margin.name!r}; choose one of {sorted(MARGINS)}")
-    if config.class_axes not in ("data,class", "class"):
-        raise ValueError(f"class_axes must be 'data,class' or 'class', got {config.class_axes!r}")
     if config.warmup_steps >= config.total_steps:
         raise ValueError(f"warmup_steps {config.warmup_steps} must be below total_steps {config.total_steps}")
-    if data_classes is not None and config.num_classes < data_classes:
+
+
+def check_data_classes(config, data_classes: int) -> None:
+    """The FC must have a row for every class of the training data."""
+    if config.num_classes < data_classes:
         raise ValueError(f"num_classes {config.num_classes} is smaller than the {data_classes} classes in the data")
 
 

@@ -1,6 +1,6 @@
 """A runnable example of the sharded margin loss: ``python -m jaxcls.demo``.
 
-Learns a linear embedding of a synthetic many-class problem with ArcFace on a
+Learns a linear embedding of a synthetic many-class problem with CosFace on a
 (data=2, class=4) mesh. With no accelerator it runs on 8 simulated CPU devices.
 """
 
@@ -17,7 +17,8 @@ from jaxcls import batch_sharding, make_mesh  # noqa: E402
 from jaxcls.losses import cosface, init_weight, sharded_margin_loss  # noqa: E402
 
 
-def main(num_classes: int = 10_000, dim: int = 64, batch: int = 512, steps: int = 60):
+def main(num_classes: int = 10_000, dim: int = 64, batch: int = 512, steps: int = 60) -> list[float]:
+    """Train for ``steps`` steps, printing the loss every 10; returns every step's loss."""
     devices = jax.devices()
     mesh = make_mesh(data=2, classes=len(devices) // 2) if len(devices) % 2 == 0 else make_mesh()
     print(f"mesh {dict(mesh.shape)} on {devices[0].platform}, {num_classes} classes")
@@ -39,13 +40,16 @@ def main(num_classes: int = 10_000, dim: int = 64, batch: int = 512, steps: int 
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
+    losses = []
     for i in range(steps):
         y = rng.integers(0, num_classes, size=batch).astype(np.int32)
         x = prototypes[y] + 0.5 * rng.normal(size=(batch, 128)).astype(np.float32)
         x, y = jax.device_put((x, y), batch_sharding(mesh))
         params, opt_state, loss = step(params, opt_state, x, y)
+        losses.append(float(loss))
         if i % 10 == 0 or i == steps - 1:
-            print(f"step {i:3d}  loss {float(loss):.3f}")
+            print(f"step {i:3d}  loss {losses[-1]:.3f}")
+    return losses
 
 
 if __name__ == "__main__":

@@ -11,8 +11,7 @@ import ml_collections
 from flax import nnx
 
 from jaxcls import checkpoint as ckpt
-from jaxcls.models import get_model
-from jaxcls.precision import compute_dtype
+from jaxcls.run import make_model, split_model
 
 
 def export_backbone(config, state: dict, out: str | os.PathLike) -> None:
@@ -23,17 +22,11 @@ def export_backbone(config, state: dict, out: str | os.PathLike) -> None:
     ckpt.save(out / "backbone", {"params": state["params"], "stats": state["stats"]})
 
 
-def _model(config):
-    return get_model(config.model, config.num_features, dtype=compute_dtype(config.precision),
-                     input_size=config.data.input_size, **config.model_kwargs)
-
-
 def load_backbone(path: str | os.PathLike) -> nnx.Module:
     """The exported backbone in eval mode: ``model(float images [N, S, S, 3] in [-1, 1]) -> [N, D]``."""
     path = Path(path)
     config = ml_collections.ConfigDict(json.loads((path / "config.json").read_text()))
-    abstract = nnx.eval_shape(lambda: _model(config))
-    graphdef, params, stats = nnx.split(abstract, nnx.Param, ...)
+    graphdef, params, stats = split_model(nnx.eval_shape(lambda: make_model(config)))
     on_device = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(
         x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])), tree)
     restored = ckpt.restore(path / "backbone", {"params": on_device(params), "stats": on_device(stats)})

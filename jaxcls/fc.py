@@ -26,21 +26,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxcls.losses import CombinedMargin, init_weight, padded_num_classes
+from jaxcls.losses import tiles
 from jaxcls.losses.cross_entropy import combine_stats
-from jaxcls.losses.sharded import (
-    DEFAULT_CLASS_AXES,
-    check_inputs,
-    class_shards,
-    full_row_classes,
-    l2_normalize,
-    local_rows_of,
-    online_stats,
-    tile_grads,
-    tile_starts,
-)
-from jaxcls.mesh import AXES
-from jaxcls.partial_fc import ClassSample, sample_budget, sample_classes
+from jaxcls.losses.margins import CombinedMargin
+from jaxcls.losses.sharded import init_weight
+from jaxcls import mesh as layout
+from jaxcls.partial_fc import ClassSample, check_sample_rate, sample_classes
 from jaxcls.sparse_fc import SparseOptimizer, SparseState
 
 DEFAULT_CHUNK = 65_536  # rows per tile: temporaries O(N·T + T·D), large enough to keep a GPU's matmuls busy
@@ -60,27 +51,25 @@ class FCHead:
     margin: CombinedMargin
     optimizer: SparseOptimizer
     sample_rate: float = 1.0
-    class_axes: tuple = DEFAULT_CLASS_AXES
+    class_axes: tuple = layout.DEFAULT_CLASS_AXES
     chunk_size: int | None = DEFAULT_CHUNK
     dtype: Any = jnp.float32
 
     def __post_init__(self):
-        sample_budget(1, 1, self.sample_rate)  # validates the rate
+        check_sample_rate(self.sample_rate)
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ValueError(f"chunk_size must be positive, got {self.chunk_size}")
 
     @property
     def rows(self) -> int:
-        return padded_num_classes(self.num_classes, class_shards(self.mesh, self.class_axes))
+        return layout.padded_num_classes(self.num_classes, layout.class_shards(self.mesh, self.class_axes))
 
     def init(self, key) -> tuple[jax.Array, SparseState]:
         weight = init_weight(key, self.num_classes, self.dim, self.mesh, self.class_axes, self.dtype)
         return weight, self.optimizer.init(weight)
 
-    def sample(self, key, labels) -> ClassSample | None:
-        """The PartialFC sample for the global batch ``labels`` (``None`` when ``sample_rate == 1``)."""
-        if self.sample_rate == 1.0:
-            return None
+    def sample(self, key, labels) -> ClassSample:
+        """The PartialFC sample for the global batch ``labels`` ``[N]`` (every row when the budget covers the shard)."""
         return sample_classes(key, labels, mesh=self.mesh, num_classes=self.num_classes, num_rows=self.rows,
                               sample_rate=self.sample_rate, class_axes=self.class_axes)
 
@@ -92,7 +81,7 @@ class FCHead:
           weight: ``[C_pad, D]`` ``P(class_axes, None)``; ``state`` its optimizer state. Donate both.
           embeddings: ``[N, D]`` backbone output, ``P(('data', 'class'), None)``, any float dtype (the
             matmul dtype); ``labels`` ``[N]`` int, sharded alike.
-          sample: from ``sample`` (``None``: every row).
+          sample: from ``sample`` (``None``: every row, as ``sample_rate=1``).
           update: ``False`` returns ``weight`` and ``state`` untouched (no update work is traced).
           apply: a scalar bool; where false the rows and state are left as they were (a skipped step).
 
@@ -101,19 +90,20 @@ class FCHead:
           float32 gradient of the loss w.r.t. ``embeddings`` (same sharding), the new weight and state.
           A label outside ``[0, num_classes)`` makes the loss NaN and leaves the FC unchanged.
         """
-        row_classes = full_row_classes(self.rows, self.mesh, self.class_axes) if sample is None else sample.classes
-        check_inputs(embeddings, weight, labels, self.mesh, self.class_axes, self.num_classes, None)
+        tiles.check_inputs(embeddings, weight, labels, self.mesh, self.class_axes, self.num_classes)
+        row_classes = (tiles.full_row_classes(self.rows, self.mesh, self.class_axes) if sample is None
+                       else sample.classes)
         labels = labels.astype(jnp.int32)
         labels_ok = jnp.all((labels >= 0) & (labels < self.num_classes))
         apply = jnp.asarray(apply, bool) & labels_ok
         count = state.count + apply.astype(jnp.int32) if update else state.count
-        matrix, vector, batch = P(self.class_axes, None), P(self.class_axes), P(AXES)
+        matrix = layout.weight_spec(self.class_axes)
         slots = (matrix,) * len(state.slots)
         per_shard = partial(_step_shard, head=self, update=update, global_batch=embeddings.shape[0])
         loss, d_emb, weight, new_slots = jax.shard_map(
             per_shard, mesh=self.mesh,
-            in_specs=(P(AXES, None), batch, matrix, slots, vector, P(), P(), P()),
-            out_specs=(P(), P(AXES, None), matrix, slots),
+            in_specs=(layout.BATCH_ROWS, layout.BATCH, matrix, slots, layout.row_spec(self.class_axes), P(), P(), P()),
+            out_specs=(P(), layout.BATCH_ROWS, matrix, slots),
         )(embeddings, labels, weight, state.slots, row_classes, jnp.asarray(lr, jnp.float32), count, apply)
         return jnp.where(labels_ok, loss, jnp.nan), d_emb, weight, SparseState(new_slots, count)
 
@@ -125,14 +115,15 @@ def _step_shard(emb, labels, weight, slots, row_classes, lr, count, apply, *, he
     of this shard's classes without sampling)."""
     class_axes = head.class_axes
     shard_first = lax.axis_index(class_axes) * weight.shape[0]  # class of local row 0
-    e_n32, pull = jax.vjp(lambda e: lax.all_gather(l2_normalize(e), class_axes, tiled=True), emb.astype(jnp.float32))
+    gather = lambda e: lax.all_gather(tiles.l2_normalize(e), class_axes, tiled=True)
+    e_n32, pull = jax.vjp(gather, emb.astype(jnp.float32))
     e_n = e_n32.astype(emb.dtype)
-    targets = local_rows_of(lax.all_gather(labels, class_axes, tiled=True), row_classes)
+    targets = tiles.local_rows_of(lax.all_gather(labels, class_axes, tiled=True), row_classes)
     num_rows = row_classes.shape[0]
     tile = min(head.chunk_size or num_rows, num_rows)
 
     def locate(i):  # which rows tile i covers: (local row indices [T], valid [T], first, owned)
-        first, owned = tile_starts(num_rows, tile, i)
+        first, owned = tiles.tile_starts(num_rows, tile, i)
         classes = lax.dynamic_slice_in_dim(row_classes, first, tile)
         # gather and scatter by index even when contiguous: XLA then updates in place (a select fused into a
         # dynamic-update-slice made it copy the whole array)
@@ -148,15 +139,15 @@ def _step_shard(emb, labels, weight, slots, row_classes, lr, count, apply, *, he
         index, valid, first, owned = locate(i)
         return _from_bits(weight[index], dtypes[0]), valid, first, owned
 
-    n_tiles = -(-num_rows // tile)
-    lse, losses = combine_stats(*online_stats(e_n, targets, n_tiles, tile_at, head.margin), class_axes)
+    n_tiles = tiles.num_tiles(num_rows, tile)
+    lse, losses = combine_stats(*tiles.online_stats(e_n, targets, n_tiles, tile_at, head.margin), class_axes)
     g = jnp.full_like(lse, 1.0 / global_batch)
 
     def backward(carry, i):
         d_e, weight, slots = carry
         index, valid, first, owned = locate(i)
         w_tile, *s_tiles = (_from_bits(a[index], t) for a, t in zip((weight, *slots), dtypes))
-        d_e_tile, d_w_tile = tile_grads(e_n, w_tile, targets, valid, first, owned, head.margin, lse, g)
+        d_e_tile, d_w_tile = tiles.tile_grads(e_n, w_tile, targets, valid, first, owned, head.margin, lse, g)
         if update:  # rows the tile does not own (overlap with the previous tile) or padding stay as they are
             keep = apply & valid & (first + jnp.arange(tile) >= owned)
             new_w, new_slots = head.optimizer.apply_rows(w_tile, s_tiles, d_w_tile, lr, count)
@@ -167,9 +158,8 @@ def _step_shard(emb, labels, weight, slots, row_classes, lr, count, apply, *, he
     init = (jnp.zeros_like(e_n32), weight, tuple(slots))
     (d_e, weight, slots), _ = lax.scan(backward, init, jnp.arange(n_tiles))
     total = jnp.sum(losses)
-    data_axes = tuple(a for a in AXES if a not in class_axes)
-    if data_axes:
-        total = lax.psum(total, data_axes)
+    if layout.data_axes(class_axes):
+        total = lax.psum(total, layout.data_axes(class_axes))
     weight, *slots = (_from_bits(a, t) for a, t in zip((weight, *slots), dtypes))
     return total / global_batch, pull(d_e)[0], weight, tuple(slots)
 

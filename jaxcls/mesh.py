@@ -1,19 +1,19 @@
-"""The device mesh: a ``data`` axis and a ``class`` axis.
+"""Layout: the device mesh and where every array of the FC and the batch lives on it.
 
-The backbone is data parallel over *every* device (its batch is sharded over
-``('data', 'class')``); the FC weight ``[C, D]`` is sharded over the class axes
-(by default also every device, as arcface_torch and PLSC do).
+The mesh has a ``data`` axis and a ``class`` axis. The backbone is data parallel over *every* device
+(its batch is sharded over ``('data', 'class')``); the FC weight ``[C, D]`` is sharded over the
+*class axes*: by default also every device (as arcface_torch and PLSC do), or ``('class',)`` alone,
+replicating the weight over ``data``. Every module that places or splits an array asks this one.
 
-Both axes are ``AxisType.Auto``, chosen deliberately: ``jax.make_mesh`` would
-default to ``Explicit``, which makes shardings part of every array's type and
-asks user backbones to annotate reshapes and reductions. jaxcls spells out
-the one place where layout matters (the class-parallel loss) with
-``shard_map``, and lets jit's sharding propagation handle the data-parallel
-backbone.
+Both axes are ``AxisType.Auto``, chosen deliberately: ``jax.make_mesh`` would default to
+``Explicit``, which makes shardings part of every array's type and asks user backbones to annotate
+reshapes and reductions. jaxcls spells out the one place where layout matters (the class-parallel
+loss) with ``shard_map``, and lets jit's sharding propagation handle the data-parallel backbone.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import jax
@@ -22,6 +22,12 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 DATA = "data"
 CLASS = "class"
 AXES = (DATA, CLASS)
+DEFAULT_CLASS_AXES = AXES  # the FC split over every device
+CLASS_AXES = {"data,class": AXES, "class": (CLASS,)}  # the config's names for the two layouts
+
+BATCH = P(AXES)  # [N] over every device
+BATCH_ROWS = P(AXES, None)  # [N, D] over every device
+REPLICATED = P()
 
 
 def make_mesh(data: int = 1, classes: int | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -43,11 +49,50 @@ def make_mesh(data: int = 1, classes: int | None = None, devices: Sequence[jax.D
     return jax.make_mesh((data, classes), AXES, axis_types=(AxisType.Auto, AxisType.Auto), devices=devices)
 
 
+def check_class_axes(mesh: Mesh, class_axes: Sequence[str]) -> tuple[str, ...]:
+    """``class_axes`` as a tuple; raises ``ValueError`` for a name that is not an axis of ``mesh``."""
+    class_axes = tuple(class_axes)
+    for a in class_axes:
+        if a not in mesh.axis_names:
+            raise ValueError(f"class axis {a!r} is not a mesh axis {mesh.axis_names}")
+    return class_axes
+
+
+def data_axes(class_axes: Sequence[str]) -> tuple[str, ...]:
+    """The mesh axes the FC weight is replicated over (``()`` with the default layout)."""
+    return tuple(a for a in AXES if a not in tuple(class_axes))
+
+
+def class_shards(mesh: Mesh, class_axes: Sequence[str] = DEFAULT_CLASS_AXES) -> int:
+    """Number of blocks the FC weight's rows are split into."""
+    return math.prod(mesh.shape[a] for a in class_axes)
+
+
+def padded_num_classes(num_classes: int, shards: int) -> int:
+    """Rows of a weight holding ``num_classes`` split evenly into ``shards`` (padding at the end)."""
+    return -(-num_classes // shards) * shards
+
+
+def weight_spec(class_axes: Sequence[str] = DEFAULT_CLASS_AXES) -> P:
+    """``P(class_axes, None)``: an FC weight ``[C_pad, D]`` (or its optimizer slots, or sampled rows)."""
+    return P(tuple(class_axes), None)
+
+
+def row_spec(class_axes: Sequence[str] = DEFAULT_CLASS_AXES) -> P:
+    """``P(class_axes)``: one value per FC row, e.g. the class id of each sampled row."""
+    return P(tuple(class_axes))
+
+
+def weight_sharding(mesh: Mesh, class_axes: Sequence[str] = DEFAULT_CLASS_AXES) -> NamedSharding:
+    """``P(class_axes, None)`` on ``mesh``: rows split over the class axes, replicated over the rest."""
+    return NamedSharding(mesh, weight_spec(class_axes))
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Sharding of a batch (leading axis) over every device: ``P(('data', 'class'))``."""
-    return NamedSharding(mesh, P(AXES))
+    return NamedSharding(mesh, BATCH)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
     """A fully replicated sharding on ``mesh``."""
-    return NamedSharding(mesh, P())
+    return NamedSharding(mesh, REPLICATED)

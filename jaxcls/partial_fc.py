@@ -1,19 +1,19 @@
 """PartialFC: class-centre sampling on each class shard.
 
-Per shard, every positive class of the global batch that lives on the shard is
-kept and the rest of a **static** budget is filled with distinct, uniformly
-random negatives (``fold_in`` of the shard index, so every shard draws its own).
-The budget is
+Per shard, every positive class of the global batch that lives on the shard is kept and
+the rest of a **static** budget is filled with distinct, uniformly random negatives
+(``fold_in`` of the shard index, so every shard draws its own). The budget is
 
     B = min(C_local, max(⌈sample_rate · C_local⌉, min(C_local, N)))
 
 with ``N`` the global batch: a shard can never hold more than ``min(C_local, N)``
-positives, so they always fit and shapes stay static. ``sample_rate = 1`` keeps
-every row (``B = C_local``) and is exactly the full loss.
+positives, so they always fit and shapes stay static. A budget of ``C_local`` (always so
+at ``sample_rate = 1``) takes every row, without drawing: exactly the full loss.
 
-A training step samples, gathers the sampled rows, differentiates the loss
-w.r.t. those ``[W·B, D]`` rows only, and scatters the update back with
-``jaxcls.sparse_fc`` — no dense ``[C, D]`` gradient is ever formed.
+The trainer's fused step (``jaxcls.fc.FCHead.step``) reads and updates the sampled rows in
+place, tile by tile. For user code the composable route is ``gather_rows`` → the loss on
+those ``[W·B, D]`` rows (``sharded_margin_loss(..., row_classes=sample.classes)``) under
+``jax.grad`` → ``jaxcls.sparse_fc.SparseOptimizer.update``: no dense ``[C, D]`` gradient either way.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxcls.losses.sharded import DEFAULT_CLASS_AXES, class_shards
+from jaxcls.mesh import DEFAULT_CLASS_AXES, class_shards, row_spec, weight_spec
 
 
 class ClassSample(NamedTuple):
@@ -41,12 +41,15 @@ class ClassSample(NamedTuple):
     classes: jax.Array
 
 
-def sample_budget(c_local: int, global_batch: int, sample_rate: float) -> int:
-    """Static per-shard number of sampled rows (see the module docstring)."""
+def check_sample_rate(sample_rate: float) -> None:
+    """Raise ``ValueError`` unless ``0 < sample_rate <= 1``."""
     if not 0.0 < sample_rate <= 1.0:
         raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
-    if sample_rate == 1.0:
-        return c_local
+
+
+def sample_budget(c_local: int, global_batch: int, sample_rate: float) -> int:
+    """Static per-shard number of sampled rows (see the module docstring)."""
+    check_sample_rate(sample_rate)
     return min(c_local, max(math.ceil(sample_rate * c_local), min(c_local, global_batch)))
 
 
@@ -67,14 +70,15 @@ def sample_classes(key: jax.Array, labels: jax.Array, *, mesh: Mesh, num_classes
                         class_axes=class_axes)
     # labels enter replicated (N int32 gathered by jit), so every shard sees the global batch and the
     # sample is invariant over the axes outside class_axes.
+    spec = row_spec(class_axes)
     return jax.shard_map(per_shard, mesh=mesh, in_specs=(P(), P()),
-                         out_specs=ClassSample(P(class_axes), P(class_axes)))(key, labels.astype(jnp.int32))
+                         out_specs=ClassSample(spec, spec))(key, labels.astype(jnp.int32))
 
 
 def _sample_shard(key, labels, *, c_local, budget, num_classes, class_axes):
     shard = lax.axis_index(class_axes)
     first = shard * c_local
-    if budget == c_local:
+    if budget == c_local:  # every row: nothing to draw
         rows = jnp.arange(c_local, dtype=jnp.int32)
     else:
         scores = jax.random.uniform(jax.random.fold_in(key, shard), (c_local,))
@@ -88,6 +92,5 @@ def _sample_shard(key, labels, *, c_local, budget, num_classes, class_axes):
 
 def gather_rows(weight: jax.Array, sample: ClassSample, *, mesh: Mesh, class_axes=DEFAULT_CLASS_AXES) -> jax.Array:
     """The sampled rows ``[W·B, D]`` of ``weight`` ``[C_pad, D]``, both ``P(class_axes, None)``; no communication."""
-    class_axes = tuple(class_axes)
-    return jax.shard_map(lambda w, rows: w[rows], mesh=mesh, in_specs=(P(class_axes, None), P(class_axes)),
-                         out_specs=P(class_axes, None))(weight, sample.rows)
+    return jax.shard_map(lambda w, rows: w[rows], mesh=mesh, in_specs=(weight_spec(class_axes), row_spec(class_axes)),
+                         out_specs=weight_spec(class_axes))(weight, sample.rows)

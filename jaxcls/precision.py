@@ -15,13 +15,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxcls.registry import lookup
+
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 def compute_dtype(name: str):
-    if name not in DTYPES:
-        raise ValueError(f"unknown precision {name!r}; choose one of {sorted(DTYPES)}")
-    return DTYPES[name]
+    """The dtype named ``name`` (float32 | bfloat16 | float16), for ``precision`` and ``fc_dtype``."""
+    return lookup(DTYPES, name, "precision")
 
 
 class ScaleState(NamedTuple):

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxcls.losses.sharded import DEFAULT_CLASS_AXES
+from jaxcls.mesh import DEFAULT_CLASS_AXES, row_spec, weight_spec
 
 
 class SparseState(NamedTuple):
@@ -61,10 +61,10 @@ class SparseOptimizer(NamedTuple):
         if rows is None:
             weight, slots = self.apply_rows(weight, state.slots, grads, lr, count)
             return weight, SparseState(slots, count)
-        row_spec, matrix_spec = P(class_axes), P(class_axes, None)
+        rows_spec, matrix_spec = row_spec(class_axes), weight_spec(class_axes)
         weight, slots = jax.shard_map(
             self._update_shard, mesh=mesh,
-            in_specs=(matrix_spec, (matrix_spec,) * self.num_slots, row_spec, matrix_spec, P(), P()),
+            in_specs=(matrix_spec, (matrix_spec,) * self.num_slots, rows_spec, matrix_spec, P(), P()),
             out_specs=(matrix_spec, (matrix_spec,) * self.num_slots),
         )(weight, state.slots, rows, grads, jnp.asarray(lr, jnp.float32), count)
         return weight, SparseState(slots, count)
@@ -113,5 +113,3 @@ def adamw(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: f
 
     return SparseOptimizer(2, rule, state_dtype)
 
-
-OPTIMIZERS = {"sgd": sgd, "adamw": adamw}

@@ -21,27 +21,6 @@ from jaxcls.fc import FCHead
 from jaxcls.precision import DynamicLossScale, all_finite, select_tree
 
 
-def lr_schedule(lr: float, warmup_steps: int, total_steps: int, power: float = 2.0):
-    """Linear warmup from 0, then ``lr·(1 − t)^power`` to 0 at ``total_steps``; stepped per iteration."""
-    return optax.join_schedules([
-        optax.linear_schedule(0.0, lr, warmup_steps),
-        optax.polynomial_schedule(lr, 0.0, power, total_steps - warmup_steps),
-    ], [warmup_steps])
-
-
-def backbone_optimizer(name: str, *, momentum: float, weight_decay: float, clip: float):
-    """Gradient-norm clip on the backbone, then SGD-momentum with L2 decay or AdamW (arcface_torch), at unit
-    learning rate: the step multiplies the update by the schedule at the global step, so a skipped float16
-    step (optimizer state untouched) does not delay the schedule, as torch's per-iteration scheduler."""
-    if name == "sgd":
-        tx = optax.chain(optax.add_decayed_weights(weight_decay), optax.sgd(1.0, momentum=momentum))
-    elif name == "adamw":
-        tx = optax.adamw(1.0, weight_decay=weight_decay)
-    else:
-        raise ValueError(f"unknown optimizer {name!r}; choose sgd or adamw")
-    return optax.chain(optax.clip_by_global_norm(clip), tx) if clip > 0 else tx
-
-
 @dataclasses.dataclass(frozen=True)
 class Trainer:
     """The pieces a step needs: backbone graph, FC head, optimizer, schedule, loss scaling, precision."""

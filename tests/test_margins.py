@@ -1,3 +1,5 @@
+"""Margin formulas (ArcFace, CosFace, SphereFace, AM-softmax, combined) against float64."""
+
 import math
 
 import jax
@@ -6,6 +8,7 @@ import numpy as np
 import pytest
 
 from jaxcls.losses import CombinedMargin, am_softmax, arcface, cosface, sphereface
+from jaxcls.losses import margins as jaxcls_margins
 from reference import MARGINS, margin_target, rel_err
 
 def test_constructors_match_anchor_parameters():
@@ -61,3 +64,12 @@ def test_cosface_is_exact_shift():
 def test_invalid_margin_parameters(kwargs):
     with pytest.raises(ValueError, match="margin"):
         CombinedMargin(**kwargs)
+
+
+@pytest.mark.parametrize("name", sorted(jaxcls_margins.MARGINS))
+def test_every_margin_honours_straight_through(name, rng):
+    """Same target logit; the gradient is that of s·cos θ (for CosFace/AM-softmax it already was)."""
+    exact, st = (jaxcls_margins.MARGINS[name](s=16.0, straight_through=flag) for flag in (False, True))
+    cos = jnp.asarray(rng.uniform(-0.9, 0.9, size=64), jnp.float32)
+    np.testing.assert_allclose(st.target_logit(cos), exact.target_logit(cos), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(jax.vmap(jax.grad(st.target_logit))(cos), 16.0, rtol=1e-6)

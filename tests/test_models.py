@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxcls.models import MODELS, count_params, get_model
+from jaxcls.models import MODELS, count_params, create, get_model
 from jaxcls.models.iresnet import STAGES
 from jaxcls.models.layers import fused_silu
-from jaxcls.precision import DynamicLossScale, all_finite, select_tree
+from jaxcls.precision import all_finite
 from reference import rel_err
 
 
@@ -72,8 +72,11 @@ def test_parameter_count_and_output_shape(name):
 
 
 def small(name, **kwargs):
+    """A CPU-sized instance: ViTs at 18×18, IResNets at 1/4 width, 32×32."""
     size = 18 if name.startswith("vit") else 32
-    return get_model(name, num_features=16, input_size=size, **kwargs), size
+    if name.startswith("r"):
+        kwargs.setdefault("width", 16)
+    return create(lambda: get_model(name, num_features=16, input_size=size, **kwargs)), size
 
 
 def loss_of(model, x):
@@ -81,20 +84,22 @@ def loss_of(model, x):
 
 
 def param_grads(model, x):
-    """Compiled gradient of ``loss_of`` w.r.t. the parameters, and the compiled function."""
+    """The gradient of ``loss_of`` w.r.t. the parameters, by one compiled program."""
     graphdef, state = nnx.split(model)
-    f = jax.jit(lambda state, x: nnx.grad(loss_of)(nnx.merge(graphdef, state), x))
-    return f.lower(state, x).compile(), f(state, x)
+    return jax.jit(lambda state, x: nnx.grad(loss_of)(nnx.merge(graphdef, state), x))(state, x)
 
 
-@pytest.mark.parametrize("name", ["r18", "mbf", "vit_t"])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mbf", "vit_t"])  # r18: test_remat_lowers_saved_activations_not_values
 def test_gradients_finite(name, rng):
     model, size = small(name)
     x = jnp.asarray(rng.normal(size=(4, size, size, 3)), jnp.float32)
-    _, grads = param_grads(model, x)
-    assert all_finite(grads) and float(sum(jnp.abs(g).sum() for g in jax.tree.leaves(grads))) > 0
+    grads = param_grads(model, x)
+    finite, total = jax.jit(lambda g: (all_finite(g), sum(jnp.abs(v).sum() for v in jax.tree.leaves(g))))(grads)
+    assert finite and float(total) > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["r18", "mbf"])
 def test_bfloat16_outputs_agree_with_float32(name, rng):
     x = jnp.asarray(rng.normal(size=(4, 32, 32, 3)), jnp.float32)
@@ -102,7 +107,8 @@ def test_bfloat16_outputs_agree_with_float32(name, rng):
     for dtype in (jnp.float32, jnp.bfloat16):
         model, _ = small(name, dtype=dtype)
         model.eval()
-        outs.append(model(x))
+        graphdef, state = nnx.split(model)
+        outs.append(jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))(state, x))
     assert outs[1].dtype == jnp.float32
     assert rel_err(outs[1], outs[0]) < 5e-2
 
@@ -136,18 +142,21 @@ def compiled_temp_bytes(name, remat, batch=8, size=64):
     return jax.jit(grad).lower(params, rest, x).compile().memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["full", "save_dots", "save_block_outputs"])
 def test_remat_lowers_compiled_temp_memory(policy):
     """Scanned identical blocks recompute inside the backward loop, so even XLA:CPU holds less."""
-    assert compiled_temp_bytes("r50", policy) < 0.8 * compiled_temp_bytes("r50", "none")
+    assert compiled_temp_bytes("r34", policy) < 0.8 * compiled_temp_bytes("r34", "none")  # measured 0.67
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["full", "save_dots", "save_block_outputs"])
 def test_remat_lowers_saved_activations_not_values(policy, rng):
     assert residual_bytes("r18", policy) < 0.8 * residual_bytes("r18", "none")
     x = jnp.asarray(rng.normal(size=(4, 32, 32, 3)), jnp.float32)
-    _, g_plain = param_grads(small("r18")[0], x)
-    _, g_remat = param_grads(small("r18", remat=policy)[0], x)
+    g_plain = param_grads(small("r18")[0], x)
+    g_remat = param_grads(small("r18", remat=policy)[0], x)
+    assert all_finite(g_plain) and all(np.any(g != 0) for g in jax.tree.leaves(g_plain))
     for a, b in zip(jax.tree.leaves(g_plain), jax.tree.leaves(g_remat)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
@@ -176,33 +185,3 @@ def test_fused_silu_saves_only_its_input():
         jax.eval_shape(lambda v: jax.vjp(f, v)[1], x)))
     assert residual_bytes(fused_silu) == 256 * 1024 * 4
     assert residual_bytes(jax.nn.silu) > residual_bytes(fused_silu)
-
-
-class TestLossScale:
-    scaler = DynamicLossScale(initial_scale=1024.0, growth_interval=3)
-
-    def test_skips_nonfinite_step_and_halves(self):
-        params = {"w": jnp.ones(3)}
-        grads = {"w": jnp.array([1.0, jnp.inf, 2.0])}
-        state = self.scaler.init()
-        finite = all_finite(self.scaler.unscale(grads, state))
-        new_params = select_tree(finite, jax.tree.map(lambda p, g: p - g, params, grads), params)
-        assert not bool(finite)
-        np.testing.assert_array_equal(new_params["w"], params["w"])
-        state = self.scaler.adjust(state, finite)
-        assert float(state.scale) == 512.0 and int(state.good_steps) == 0
-
-    def test_grows_after_interval_of_finite_steps(self):
-        state = self.scaler.init()
-        scales = []
-        for _ in range(7):
-            state = self.scaler.adjust(state, jnp.bool_(True))
-            scales.append(float(state.scale))
-        assert scales == [1024, 1024, 2048, 2048, 2048, 4096, 4096]
-
-    def test_unscale_divides_and_disabled_is_identity(self):
-        state = self.scaler.init()
-        g = self.scaler.unscale({"w": jnp.array([1024.0, 2048.0])}, state)
-        np.testing.assert_array_equal(g["w"], [1.0, 2.0])
-        off = DynamicLossScale(enabled=False)
-        assert float(off.scale_loss(3.0, off.init())) == 3.0

@@ -3,10 +3,13 @@
 from pathlib import Path
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "quickstart.ipynb"
 
+
+pytestmark = pytest.mark.slow
 
 def test_quickstart_runs(tmp_path):
     nb = nbformat.read(NOTEBOOK, as_version=4)

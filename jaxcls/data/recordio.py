@@ -107,6 +107,13 @@ class MXFaceDataset:
     ``raw(i)`` gives ``(image bytes, label)`` without decoding, for pipelines that decode in workers.
     """
 
+    generated = False
+
+    @classmethod
+    def from_config(cls, data, num_classes: int) -> MXFaceDataset:
+        """``config.data.root`` (a training source of ``jaxcls.data.sources``)."""
+        return cls(data.root)
+
     def __init__(self, root: str | os.PathLike, name: str = "train"):
         root = Path(root)
         self.rec = RecordFile(root / f"{name}.rec")

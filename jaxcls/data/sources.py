@@ -1,7 +1,9 @@
-"""Image sources besides RecordIO: a folder per class, a procedural many-identity set, synthetic noise.
+"""Image sources by name: RecordIO, a folder per class, a procedural many-identity set, synthetic noise.
 
-Every source has ``len()``, ``raw(i) -> (encoded bytes or uint8 [H, W, 3], int label)`` and
-``num_classes()``; ``make_source(kind, ...)`` builds one by name.
+Every source has ``len()``, ``raw(i) -> (encoded bytes or uint8 [H, W, 3], int label)``, ``num_classes()``,
+a class attribute ``generated`` (made on the fly: nothing to read from disk) and
+``from_config(config.data, num_classes)``; a source that can make verification pairs of identities it
+never trains on has ``heldout_pairs()``. ``make_source(config.data, num_classes)`` builds one by kind.
 """
 
 from __future__ import annotations
@@ -12,12 +14,19 @@ from pathlib import Path
 import numpy as np
 
 from jaxcls.data.recordio import MXFaceDataset
+from jaxcls.registry import lookup
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp"}
 
 
 class ImageFolder:
     """``root/<class>/<image>``; classes numbered in sorted name order."""
+
+    generated = False
+
+    @classmethod
+    def from_config(cls, data, num_classes: int) -> ImageFolder:
+        return cls(data.root)
 
     def __init__(self, root: str | os.PathLike):
         root = Path(root)
@@ -49,8 +58,14 @@ class ProceduralGlyphs:
 
     Identity ``k`` is a random set of strokes (seeded by ``k``); each of its images renders them
     under a random affine jitter, stroke width, contrast and noise. ``image(k, j)`` is deterministic, so
-    held-out identities ``>= num_classes`` give open-set verification pairs (see ``verification_pairs``).
+    held-out identities ``>= num_classes`` give open-set verification pairs (see ``heldout_pairs``).
     """
+
+    generated = True
+
+    @classmethod
+    def from_config(cls, data, num_classes: int) -> ProceduralGlyphs:
+        return cls(**data.procedural)
 
     def __init__(self, num_classes: int = 1000, images_per_class: int = 16, size: int = 32, seed: int = 0,
                  strokes: int = 5):
@@ -86,7 +101,7 @@ class ProceduralGlyphs:
         img = bg + ink[..., None] * (fg - bg) + rng.normal(0, 0.05, (self.size, self.size, 3))
         return (np.clip(img, 0, 1) * 255).astype(np.uint8)
 
-    def verification_pairs(self, num_pairs: int = 600, first_identity: int | None = None):
+    def heldout_pairs(self, num_pairs: int = 600, first_identity: int | None = None):
         """``(images uint8 [2P, S, S, 3], issame bool [P])`` from identities never used in training.
 
         Alternating same/different pairs, as LFW-style ``.bin`` files are.
@@ -106,6 +121,12 @@ class ProceduralGlyphs:
 class SyntheticNoise:
     """Random images with random labels, for throughput benchmarks (nothing to learn)."""
 
+    generated = True
+
+    @classmethod
+    def from_config(cls, data, num_classes: int) -> SyntheticNoise:
+        return cls(num_classes, size=data.input_size)
+
     def __init__(self, num_classes: int, size: int = 112, length: int = 1 << 20):
         self.n, self.size, self.length = num_classes, size, length
 
@@ -120,14 +141,10 @@ class SyntheticNoise:
         return rng.integers(0, 256, (self.size, self.size, 3), dtype=np.uint8), int(rng.integers(self.n))
 
 
-def make_source(kind: str, root: str = "", **kwargs):
-    """``kind``: ``recordio`` (``root`` with train.rec/.idx), ``folder``, ``procedural`` or ``synthetic``."""
-    if kind == "recordio":
-        return MXFaceDataset(root)
-    if kind == "folder":
-        return ImageFolder(root)
-    if kind == "procedural":
-        return ProceduralGlyphs(**kwargs)
-    if kind == "synthetic":
-        return SyntheticNoise(**kwargs)
-    raise ValueError(f"unknown data source {kind!r}; choose recordio, folder, procedural or synthetic")
+SOURCES = {"recordio": MXFaceDataset, "folder": ImageFolder, "procedural": ProceduralGlyphs,
+           "synthetic": SyntheticNoise}
+
+
+def make_source(data, num_classes: int):
+    """The source ``data.kind`` (recordio | folder | procedural | synthetic) built from ``config.data``."""
+    return lookup(SOURCES, data.kind, "data source").from_config(data, num_classes)

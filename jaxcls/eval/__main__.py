@@ -12,9 +12,11 @@ from pathlib import Path
 import ml_collections
 from absl import app, flags
 
-from jaxcls import checkpoint as ckpt
+from jaxcls.checkpoint import RunCheckpoints
+from jaxcls.eval.evaluator import Evaluator
 from jaxcls.export import export_backbone
-from jaxcls.train import build, checkpoint_manager, eval_sets, make_embed, restore, verify
+from jaxcls.reporting import configure_logging
+from jaxcls.run import build
 
 flags.DEFINE_string("workdir", None, "the training run's workdir", required=True)
 flags.DEFINE_multi_string("bin", [], "verification .bin files (default: the run's own eval sets)")
@@ -24,17 +26,18 @@ FLAGS = flags.FLAGS
 
 
 def main(argv):
+    configure_logging(verbose=FLAGS["verbosity"].present)
     workdir = Path(FLAGS.workdir).absolute()
     config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
     if FLAGS.bin:
         config.eval_bins = list(FLAGS.bin)
-    run, state = build(config, with_data=False)
-    manager = checkpoint_manager(workdir, config)
-    if manager.latest_step() is None:
+    run = build(config, with_data=False)
+    checkpoints = RunCheckpoints(workdir / "checkpoints", config.keep_checkpoints)
+    if checkpoints.latest_step() is None:
         raise SystemExit(f"no checkpoint in {workdir / 'checkpoints'}")
-    state, _ = restore(manager, ckpt.abstract_like(state), FLAGS.step)
+    state, _ = checkpoints.restore(run.abstract_state, FLAGS.step)
     step = int(state["step"])
-    results = verify(run, state, eval_sets(config, run.source), make_embed(run))
+    results = Evaluator(run)(state)
     names = sorted({k.split("/")[1] for k in results})
     print(f"step {step}")
     print(f"{'set':<16} {'accuracy':>10} {'std':>8} {'threshold':>10} {'xnorm':>8}")
@@ -47,6 +50,7 @@ def main(argv):
     if FLAGS.export:
         export_backbone(config, state, FLAGS.export)
         print(f"exported the backbone to {FLAGS.export}")
+    checkpoints.close()
 
 
 if __name__ == "__main__":

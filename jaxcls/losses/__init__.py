@@ -1,19 +1,16 @@
-"""Margin losses and the class-parallel softmax cross-entropy."""
+"""Margin losses and the class-parallel softmax cross-entropy.
+
+``margins`` (the margin formulas) → ``cross_entropy`` (the inner op over a sharded class axis) → ``tiles``
+(the per-shard tile kernel) → ``sharded`` (``sharded_margin_loss``, the loss for user code). The layout
+helpers (``weight_sharding``, ``padded_num_classes``, ``class_shards``) live in ``jaxcls.mesh``.
+"""
 
 from jaxcls.losses.cross_entropy import class_parallel_cross_entropy, masked_fill_value
 from jaxcls.losses.margins import MARGINS, CombinedMargin, am_softmax, arcface, cosface, sphereface
-from jaxcls.losses.sharded import (
-    class_shards,
-    init_weight,
-    l2_normalize,
-    padded_num_classes,
-    sharded_margin_loss,
-    validate_labels,
-    weight_sharding,
-)
+from jaxcls.losses.sharded import init_weight, sharded_margin_loss
+from jaxcls.losses.tiles import l2_normalize, validate_labels
 
 __all__ = [
-    "MARGINS", "CombinedMargin", "am_softmax", "arcface", "class_parallel_cross_entropy", "class_shards",
-    "cosface", "init_weight", "l2_normalize", "masked_fill_value", "padded_num_classes", "sharded_margin_loss",
-    "sphereface", "validate_labels", "weight_sharding",
+    "MARGINS", "CombinedMargin", "am_softmax", "arcface", "class_parallel_cross_entropy", "cosface", "init_weight",
+    "l2_normalize", "masked_fill_value", "sharded_margin_loss", "sphereface", "validate_labels",
 ]

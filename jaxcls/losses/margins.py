@@ -14,7 +14,8 @@ Gradients are exact by default and finite everywhere: ``acos`` and ``sin θ``
 use a guarded derivative ``1 / sqrt(max(1 − x², ε))`` so that ``x = ±1`` gives
 a finite gradient. ``straight_through=True`` reproduces arcface_torch's margin
 computed under ``no_grad``: the value is the margin's, the gradient is that of
-``s · x`` (no chain factor through the margin).
+``s · x`` (no chain factor through the margin); every margin accepts it (for CosFace and AM-softmax the
+two gradients coincide).
 """
 
 from __future__ import annotations
@@ -105,19 +106,20 @@ def arcface(s: float = 64.0, m: float = 0.5, straight_through: bool = False) -> 
     return CombinedMargin(s=s, m2=m, straight_through=straight_through)
 
 
-def cosface(s: float = 64.0, m: float = 0.4) -> CombinedMargin:
-    """Additive cosine margin: ``s · (cos θ − m)``."""
-    return CombinedMargin(s=s, m3=m)
+def cosface(s: float = 64.0, m: float = 0.4, straight_through: bool = False) -> CombinedMargin:
+    """Additive cosine margin: ``s · (cos θ − m)`` (its exact gradient already is the straight-through one)."""
+    return CombinedMargin(s=s, m3=m, straight_through=straight_through)
 
 
-def am_softmax(s: float = 30.0, m: float = 0.35) -> CombinedMargin:
+def am_softmax(s: float = 30.0, m: float = 0.35, straight_through: bool = False) -> CombinedMargin:
     """AM-softmax: with normalized features this is CosFace; defaults from its paper."""
-    return CombinedMargin(s=s, m3=m)
+    return CombinedMargin(s=s, m3=m, straight_through=straight_through)
 
 
-def sphereface(s: float = 64.0, m: float = 1.35) -> CombinedMargin:
+def sphereface(s: float = 64.0, m: float = 1.35, straight_through: bool = False) -> CombinedMargin:
     """Multiplicative angular margin: ``s · cos(m·θ)`` (normalized features, as in the anchors)."""
-    return CombinedMargin(s=s, m1=m)
+    return CombinedMargin(s=s, m1=m, straight_through=straight_through)
 
 
+# name -> (s, m, straight_through) -> CombinedMargin; the config's margin.name
 MARGINS = {"arcface": arcface, "cosface": cosface, "am_softmax": am_softmax, "sphereface": sphereface}

@@ -1,0 +1,1 @@
+"""Training data: RecordIO and other sources (``sources``), the Grain input pipeline (``pipeline``)."""

@@ -1,0 +1,61 @@
+"""Verification of a run's state, during training and from ``python -m jaxcls.eval``: every configured set.
+
+The sets are the ``.bin`` files of ``config.eval_bins`` plus, for a generated source that can make them,
+pairs of identities it never trains on (``heldout``). The backbone runs in eval mode (running BatchNorm
+statistics) with the batch split over every device; the protocol is ``jaxcls.eval.verification``'s.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxcls.data.pipeline import normalize
+from jaxcls.eval.verification import evaluate, flip_sum_embeddings, load_bin
+from jaxcls.mesh import batch_sharding
+
+log = logging.getLogger("jaxcls")
+
+
+def eval_sets(config, source) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """``(name, uint8 images [2P, S, S, 3], issame [P])`` for every configured verification set."""
+    sets = [(Path(p).stem, *load_bin(p, config.data.input_size)) for p in config.eval_bins]
+    if hasattr(source, "heldout_pairs"):
+        sets.append(("heldout", *source.heldout_pairs()))
+    return sets
+
+
+class Evaluator:
+    """``evaluator(state) -> {'val/<set>/<metric>': value}``; warns when the embeddings collapse."""
+
+    def __init__(self, run):
+        self.config = run.config
+        self.sets = eval_sets(run.config, run.source)
+        self.sharding = batch_sharding(run.mesh)
+        self.batch = -(-run.config.eval_batch_size // run.mesh.size) * run.mesh.size  # a multiple of the devices
+
+        @jax.jit
+        def embed(params, stats, images):
+            return nnx.merge(run.eval_graphdef, params, stats)(normalize(images))
+
+        self._embed = embed
+
+    def embed(self, state: dict, images: np.ndarray) -> jax.Array:
+        """Float32 embeddings ``[B, D]`` of uint8 ``images`` ``[B, S, S, 3]`` (B a multiple of the devices)."""
+        return self._embed(state["params"], state["stats"], jax.device_put(images, self.sharding))
+
+    def __call__(self, state: dict) -> dict:
+        out = {}
+        for name, images, issame in self.sets:
+            emb = flip_sum_embeddings(lambda x: self.embed(state, x), images, self.batch)
+            result = evaluate(emb, issame)
+            out.update({f"val/{name}/{k}": v for k, v in result.items()})
+            if result["mean_cosine"] > self.config.collapse_warning:
+                log.warning("embedding collapse on %s: eval embeddings have mean cosine %.2f (accuracy %.3f); "
+                            "try CosFace or a smaller margin, a lower lr or a longer warmup",
+                            name, result["mean_cosine"], result["accuracy"])
+        return out

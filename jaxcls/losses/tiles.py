@@ -1,0 +1,152 @@
+"""The per-shard tile kernel shared by ``sharded_margin_loss`` and the fused ``FCHead.step``.
+
+Inside ``shard_map`` each class shard holds some rows of the FC weight (all of its ``C_local`` rows, or
+a PartialFC sample of them) and sees the whole gathered batch: ``e_n`` ``[N, D]`` L2-normalized
+embeddings and ``targets`` ``[N]``, each label's row on this shard or -1. The rows are visited in tiles
+of ``T``; tile ``i`` covers local rows ``[first, first + T)`` and *owns* those from ``owned`` on (the
+last tile is shifted back to stay in bounds and overlaps its predecessor; ``tile_starts``):
+
+* ``tile_logits``: the margin logits ``[N, T]`` of one tile, non-owned and padding columns filled;
+* ``online_stats``: running max / sum of exp / target logit ``[N]`` over all tiles (one tile held at a time);
+  ``cross_entropy.combine_stats`` then makes the global log-sum-exp with one ``pmax`` and two ``psum``;
+* ``tile_grads``: given that log-sum-exp, one tile's gradients w.r.t. ``e_n`` and the tile's rows.
+
+Outside ``shard_map``: ``check_inputs`` (shapes, sharding, labels, before any work), ``validate_labels``,
+``full_row_classes`` (row ``r`` of the full weight is class ``r``) and ``l2_normalize``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+
+from jaxcls.losses.cross_entropy import local_target, masked_fill_value, softmax_minus_onehot
+from jaxcls.losses.margins import CombinedMargin
+from jaxcls.mesh import check_class_axes, class_shards, padded_num_classes, row_spec, weight_sharding
+
+# tile_at(i) -> (w_tile [T, D], valid [T] bool, first, owned): the rows of tile i and which are real classes
+TileFn = Callable[[jax.Array], tuple]
+
+
+def l2_normalize(x: jax.Array, eps: float = 1e-12) -> jax.Array:
+    """Rows of ``x`` scaled to unit L2 norm, computed in float32."""
+    x = x.astype(jnp.float32)
+    return x * lax.rsqrt(jnp.maximum(jnp.sum(x * x, axis=-1, keepdims=True), eps * eps))
+
+
+def validate_labels(labels, num_classes: int) -> None:
+    """Host-side check that every label is in ``[0, num_classes)``; raises ``ValueError`` naming the first bad one.
+
+    For a global ``jax.Array`` each process checks the shards it holds (batch indices stay global).
+    """
+    if isinstance(labels, jax.Array) and not labels.is_fully_addressable:
+        parts = [(s.index[0].start or 0, np.asarray(s.data)) for s in labels.addressable_shards]
+    else:
+        parts = [(0, np.asarray(labels))]
+    for offset, part in sorted(parts, key=lambda p: p[0]):
+        bad = np.flatnonzero((part < 0) | (part >= num_classes))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"label {int(part[i])} at batch index {offset + i} is outside [0, {num_classes}) "
+                             f"({bad.size} bad labels in this batch)")
+
+
+def check_inputs(embeddings, weight, labels, mesh: Mesh, class_axes, num_classes: int, row_classes=None) -> None:
+    """Raise ``ValueError`` naming the first inconsistency of a loss or FC step's inputs, before any work.
+
+    ``weight`` is the full ``[C_pad, D]`` weight, or with ``row_classes`` ``[R]`` a sample of ``R`` rows.
+    Labels are checked when concrete (under ``jit`` the loss turns NaN instead).
+    """
+    class_axes = check_class_axes(mesh, class_axes)
+    shards = class_shards(mesh, class_axes)
+    if embeddings.ndim != 2 or weight.ndim != 2 or labels.shape != embeddings.shape[:1]:
+        raise ValueError(f"expected embeddings [N, D], weight [C, D], labels [N]; got "
+                         f"{embeddings.shape}, {weight.shape}, {labels.shape}")
+    n, d = embeddings.shape
+    if n % mesh.size:
+        raise ValueError(f"batch size {n} is not divisible by the {mesh.size} devices of the mesh {dict(mesh.shape)}")
+    if weight.shape[1] != d:
+        raise ValueError(f"embeddings have D={d} but the weight has D={weight.shape[1]}")
+    if row_classes is not None:
+        if row_classes.shape != weight.shape[:1] or weight.shape[0] % shards:
+            raise ValueError(f"sampled weight {weight.shape} and row_classes {row_classes.shape} must have the "
+                             f"same number of rows, divisible by the {shards} class shards")
+    else:
+        rows = padded_num_classes(num_classes, shards)
+        if weight.shape != (rows, d):
+            raise ValueError(f"weight has shape {weight.shape}; for num_classes={num_classes}, D={d} and "
+                             f"{shards} class shards it must be [{rows}, {d}] (see init_weight)")
+    if isinstance(weight, jax.Array) and not isinstance(weight, jax.core.Tracer):
+        want = weight_sharding(mesh, class_axes)
+        if not weight.sharding.is_equivalent_to(want, weight.ndim):
+            raise ValueError(f"weight sharding {weight.sharding} does not match {want.spec} on this mesh; "
+                             "place it with jax.device_put(weight, weight_sharding(mesh, class_axes))")
+    if not isinstance(labels, jax.core.Tracer):
+        validate_labels(labels, num_classes)
+
+
+def full_row_classes(rows: int, mesh: Mesh, class_axes) -> jax.Array:
+    """``arange(rows)`` int32 sharded ``P(class_axes)``: row ``r`` of the full weight is class ``r``."""
+    return lax.with_sharding_constraint(jnp.arange(rows, dtype=jnp.int32), NamedSharding(mesh, row_spec(class_axes)))
+
+
+def local_rows_of(labels: jax.Array, row_classes: jax.Array) -> jax.Array:
+    """For each label ``[N]``, its row in this shard's ascending ``row_classes`` ``[R]``, or -1 if absent."""
+    pos = jnp.minimum(jnp.searchsorted(row_classes, labels), row_classes.shape[0] - 1)
+    return jnp.where(row_classes[pos] == labels, pos, -1).astype(jnp.int32)
+
+
+def tile_starts(num_rows: int, tile: int, i):
+    """``(first, owned)`` of tile ``i``: it covers ``[first, first + tile)``, shifted back to stay within
+    ``num_rows``, and owns the rows from ``owned = i·tile`` on."""
+    return jnp.minimum(i * tile, num_rows - tile), i * tile
+
+
+def num_tiles(num_rows: int, tile: int) -> int:
+    return -(-num_rows // tile)
+
+
+def tile_logits(e_n, w_tile, targets, valid, first, owned, margin: CombinedMargin):
+    """Margin logits ``[N, T]`` float32 of the tile of rows ``w_tile`` ``[T, D]`` starting at local row ``first``.
+
+    ``valid`` ``[T]`` marks real classes; rows before ``owned`` (overlap with the previous tile) and invalid
+    ones get the fill value (exp → 0). Returns ``(logits, each target's column in the tile or -1)``.
+    """
+    w_n = l2_normalize(w_tile).astype(e_n.dtype)
+    cos = jnp.dot(e_n, w_n.T, preferred_element_type=jnp.float32)
+    rel = targets - first
+    rel = jnp.where((targets >= owned) & (rel >= 0) & (rel < cos.shape[1]), rel, -1)
+    columns = first + lax.broadcasted_iota(jnp.int32, cos.shape, 1)
+    is_target = columns == (rel + first)[:, None]
+    logits = jnp.where(is_target, margin.target_logit(local_target(cos, rel))[:, None], margin.logits(cos))
+    kept = (columns >= owned) & valid[None, :]
+    return jnp.where(kept, logits, masked_fill_value(jnp.float32)), rel
+
+
+def online_stats(e_n, targets, n_tiles: int, tile_at: TileFn, margin: CombinedMargin):
+    """This shard's softmax statistics ``(row_max, row_sum, target_logit)``, each ``[N]`` float32, tile by tile."""
+
+    def step(carry, i):
+        row_max, row_sum, target = carry
+        w_tile, valid, first, owned = tile_at(i)
+        logits, rel = tile_logits(e_n, w_tile, targets, valid, first, owned, margin)
+        new_max = jnp.maximum(row_max, jnp.max(logits, axis=1))
+        row_sum = row_sum * jnp.exp(row_max - new_max) + jnp.sum(jnp.exp(logits - new_max[:, None]), axis=1)
+        return (new_max, row_sum, target + local_target(logits, rel)), None
+
+    zeros = jnp.zeros_like(e_n[:, 0], jnp.float32)  # zeros_like keeps e_n's varying mesh axes
+    init = (zeros + masked_fill_value(jnp.float32), zeros, zeros)
+    return lax.scan(step, init, jnp.arange(n_tiles))[0]
+
+
+def tile_grads(e_n, w_tile, targets, valid, first, owned, margin: CombinedMargin, lse, g):
+    """Gradients ``(d e_n [N, D], d w_tile [T, D])`` of ``Σ_n g[n]·loss[n]`` through one tile, given the
+    global log-sum-exp ``lse`` ``[N]``."""
+    tile_fn = lambda e, w: tile_logits(e, w, targets, valid, first, owned, margin)
+    logits, pullback, rel = jax.vjp(tile_fn, e_n, w_tile, has_aux=True)
+    return pullback(softmax_minus_onehot(logits, rel, lse, 0) * g[:, None])

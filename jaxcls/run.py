@@ -1,0 +1,154 @@
+"""A run built from a config: the one path from ``config`` to mesh, data source, model, FC head, optimizers and state.
+
+``build(config)`` validates the whole config first (``jaxcls.config.validate``: every key, every named
+choice, the batch against the devices) and only then builds. The state is never materialized on one
+device: ``Run.init_state()`` creates it inside ``jax.jit`` directly in its shardings (FC weight and
+its optimizer slots ``P(class_axes, None)``, everything else replicated), and ``Run.abstract_state``
+describes it (shapes, dtypes, shardings) for restoring a checkpoint without initializing anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxcls.config import check_data_classes, validate
+from jaxcls.data.pipeline import train_batches
+from jaxcls.data.sources import SOURCES, make_source
+from jaxcls.fc import FCHead
+from jaxcls.losses.margins import MARGINS, CombinedMargin
+from jaxcls.mesh import CLASS_AXES, class_shards, make_mesh, replicated, weight_sharding
+from jaxcls.models import get_model, one_off_compile_options
+from jaxcls.optimizers import lr_schedule, make_optimizers
+from jaxcls.precision import DynamicLossScale, compute_dtype
+from jaxcls.sparse_fc import SparseState
+from jaxcls.train_step import Trainer
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything built from a config; ``source`` is None when built without data (evaluation elsewhere)."""
+
+    config: Any
+    mesh: Mesh
+    source: Any
+    trainer: Trainer
+    eval_graphdef: Any  # the backbone's graph in eval mode (running BatchNorm statistics, no dropout)
+    abstract_state: dict  # jax.ShapeDtypeStruct leaves with their shardings
+    init_fn: Any  # seed -> state, jitted with the state's shardings as outputs
+
+    def init_state(self) -> dict:
+        """A freshly initialised state, created in place on the mesh (deterministic in ``config.seed``).
+
+        It runs once, so it is compiled with ``one_off_compile_options`` (no LLVM optimization on CPU).
+        """
+        options = one_off_compile_options(self.mesh.devices.flat[0].platform)
+        return self.init_fn.lower(self.config.seed).compile(compiler_options=options)(self.config.seed)
+
+    @property
+    def state_shardings(self) -> dict:
+        return jax.tree.map(lambda s: s.sharding, self.abstract_state)
+
+    def jit_step(self):
+        """``step(state, images, labels) -> (state, metrics)``, jitted with the state donated."""
+        return jax.jit(self.trainer.train_step, donate_argnums=0,
+                       out_shardings=(self.state_shardings, replicated(self.mesh)))
+
+    def batches(self):
+        """The checkpointable iterator of this host's ``(uint8 images, int32 labels)`` training batches."""
+        c = self.config
+        return train_batches(self.source, batch_size=c.batch_size // jax.process_count(), size=c.data.input_size,
+                             seed=c.seed, flip=c.data.flip, workers=c.data.workers, threads=c.data.threads)
+
+    def summary(self) -> list[str]:
+        """The resolved run in a few lines: model, FC, mesh and batch, data."""
+        c, head = self.config, self.trainer.head
+        params = sum(x.size for x in jax.tree.leaves(self.abstract_state["params"]))
+        shards = class_shards(self.mesh, head.class_axes)
+        sampling = f"PartialFC {c.sample_rate:g}" if c.sample_rate < 1 else "no PartialFC"
+        data = "no training data opened" if self.source is None else (
+            f"{len(self.source):,} images of {self.source.num_classes():,} classes")
+        return [
+            f"model {c.model} {dict(c.model_kwargs)}: {params / 1e6:.2f}M parameters, {c.num_features}-d "
+            f"embeddings, compute {c.precision}, remat {c.remat}",
+            f"FC {c.num_classes:,} classes × {c.num_features} ({c.fc_dtype}) over {shards} class shards, "
+            f"{head.rows // shards:,} rows per device; {c.margin.name} s={c.margin.s:g} m={c.margin.m:g}; {sampling}",
+            f"mesh data={self.mesh.shape['data']} × class={self.mesh.shape['class']} "
+            f"({self.mesh.devices.flat[0].platform}, {jax.process_count()} process(es)); global batch "
+            f"{c.batch_size} ({c.batch_size // self.mesh.size} per device); optimizer {c.optimizer} lr {c.lr:g}",
+            f"data {c.data.kind}{' ' + c.data.root if c.data.root else ''}: {data}; "
+            f"input {c.data.input_size}×{c.data.input_size}",
+        ]
+
+
+def make_margin(margin_config) -> CombinedMargin:
+    """``config.margin`` (name, s, m, straight_through) → a ``CombinedMargin``."""
+    return MARGINS[margin_config.name](s=margin_config.s, m=margin_config.m,
+                                       straight_through=margin_config.straight_through)
+
+
+def make_model(config, dtype=None, seed=None) -> nnx.Module:
+    """The backbone of ``config`` in training mode, its parameters drawn from ``seed`` (default ``config.seed``)."""
+    dtype = compute_dtype(config.precision) if dtype is None else dtype
+    seed = config.seed if seed is None else seed
+    rngs = nnx.Rngs(params=jax.random.key(seed), dropout=jax.random.key(seed + 1))  # seed may be traced
+    return get_model(config.model, config.num_features, dtype=dtype, remat=config.remat,
+                     input_size=config.data.input_size, rngs=rngs,
+                     **config.model_kwargs)
+
+
+def split_model(model: nnx.Module):
+    """``(graphdef, params, everything else)``: BatchNorm statistics, RNG state."""
+    return nnx.split(model, nnx.Param, ...)
+
+
+def build(config, devices=None, with_data: bool = True) -> Run:
+    """Validate ``config`` and build its run (nothing is initialised on the devices; see ``Run.init_state``).
+
+    ``with_data=False`` opens no training data unless the source is generated (evaluation on a machine
+    without the data set).
+    """
+    devices = jax.devices() if devices is None else devices
+    validate(config, len(devices))
+    source = None
+    if with_data or SOURCES[config.data.kind].generated:
+        source = make_source(config.data, config.num_classes)
+        check_data_classes(config, source.num_classes())
+    mesh = make_mesh(config.mesh_data, len(devices) // config.mesh_data, devices=devices)
+    dtype, fc_dtype = compute_dtype(config.precision), compute_dtype(config.fc_dtype)
+    abstract_model = nnx.eval_shape(lambda: make_model(config, dtype))
+    graphdef = split_model(abstract_model)[0]
+    abstract_model.eval()
+    eval_graphdef = split_model(abstract_model)[0]
+    tx, fc_optimizer = make_optimizers(config.optimizer, momentum=config.momentum, weight_decay=config.weight_decay,
+                                       clip=config.clip_grad_norm, fc_state_dtype=fc_dtype)
+    head = FCHead(mesh, config.num_classes, config.num_features, make_margin(config.margin), fc_optimizer,
+                  sample_rate=config.sample_rate, class_axes=CLASS_AXES[config.class_axes],
+                  chunk_size=config.chunk_size or None, dtype=fc_dtype)
+    scaler = DynamicLossScale(config.loss_scale.initial, config.loss_scale.growth_interval,
+                              enabled=config.precision == "float16")
+    schedule = lr_schedule(config.lr, config.warmup_steps, config.total_steps, config.lr_power)
+    trainer = Trainer(graphdef, head, tx, schedule, scaler, dtype, config.accum_steps)
+
+    def init(seed):  # the seed is an argument, so every seed shares one compiled program
+        _, params, stats = split_model(make_model(config, dtype, seed))
+        return trainer.init_state(params, stats, jax.random.key(seed))
+
+    abstract = jax.eval_shape(init, config.seed)
+    shardings = state_shardings(abstract, mesh, head.class_axes)
+    abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract, shardings)
+    return Run(config, mesh, source, trainer, eval_graphdef, abstract, jax.jit(init, out_shardings=shardings))
+
+
+def state_shardings(state: dict, mesh: Mesh, class_axes) -> dict:
+    """FC weight and its per-row optimizer slots: ``P(class_axes, None)``; everything else replicated."""
+    shardings = jax.tree.map(lambda _: replicated(mesh), state)
+    fc = weight_sharding(mesh, class_axes)
+    shardings["weight"] = fc
+    shardings["fc_opt"] = SparseState(tuple(fc for _ in state["fc_opt"].slots), replicated(mesh))
+    return shardings
+

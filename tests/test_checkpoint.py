@@ -1,0 +1,64 @@
+"""Mesh-independent checkpoints: FC trees onto other meshes, and a run's checkpoint series with its data position."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxcls import checkpoint, make_mesh, weight_sharding
+from jaxcls.losses import init_weight
+from jaxcls.sparse_fc import SparseState, adamw
+
+
+@pytest.mark.parametrize("target", [(2, 4, 8), (1, 4, 4), (1, 3, 3)], ids=["(2,4)", "4 devices", "3 devices"])
+def test_fc_checkpoint_restores_onto_another_mesh(target, tmp_path, rng):
+    c, d = 37, 8  # padded to 40 rows on 8 shards, 40 on 4, 39 on 3
+    mesh = make_mesh(1, 8)
+    weight = init_weight(jax.random.key(1), c, d, mesh, dtype=jnp.bfloat16, stddev=1.0)
+    state = adamw(state_dtype=jnp.bfloat16).init(weight)
+    real_rows = (np.arange(weight.shape[0]) < c)[:, None]  # padding rows hold zeros, as in training
+    state = SparseState(tuple(jax.device_put((rng.normal(size=s.shape) * real_rows).astype(s.dtype), s.sharding)
+                              for s in state.slots), jnp.int32(17))
+    tree = {"weight": weight, "opt": state, "num_classes": jnp.int32(c)}
+    checkpoint.save(tmp_path / "fc", tree)
+
+    data, classes, n = target
+    new_mesh = make_mesh(data, classes, devices=jax.devices()[:n])
+    new_weight = init_weight(jax.random.key(9), c, d, new_mesh, dtype=jnp.bfloat16)
+    abstract = checkpoint.abstract_like({"weight": new_weight, "opt": adamw(state_dtype=jnp.bfloat16).init(new_weight),
+                                         "num_classes": jnp.int32(0)})
+    restored = checkpoint.restore(tmp_path / "fc", abstract)
+    checkpoint.check_num_classes(restored["num_classes"], c)
+    assert restored["weight"].sharding.is_equivalent_to(weight_sharding(new_mesh), 2)
+    for old, new in zip(jax.tree.leaves(tree), jax.tree.leaves(restored)):
+        if old.ndim == 2:
+            np.testing.assert_array_equal(np.asarray(new)[:c], np.asarray(old)[:c])
+            assert np.all(np.asarray(new)[c:] == 0)
+        else:
+            assert int(new) == int(old)
+    with pytest.raises(ValueError, match="37 classes, the config asks for 40"):
+        checkpoint.check_num_classes(restored["num_classes"], 40)
+
+
+def test_run_checkpoints_keep_the_last_and_restore_state_and_data_position(tmp_path, rng):
+    mesh = make_mesh(2, 4)
+    weight = jax.device_put(rng.normal(size=(16, 4)).astype(np.float32), weight_sharding(mesh))
+    state = {"step": jnp.int32(0), "weight": weight, "key": jax.random.key_data(jax.random.key(3))}
+    series = checkpoint.RunCheckpoints(tmp_path / "checkpoints", keep=2)
+    assert series.latest_step() is None
+    for step in (10, 20, 30):
+        series.save(step, {**state, "step": jnp.int32(step), "weight": weight + step}, {"position": step * 7})
+    series.close()  # waits for the asynchronous saves
+
+    assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [20, 30]
+    other = make_mesh(1, 4, devices=jax.devices()[4:])
+    abstract = checkpoint.abstract_like({**state, "weight": jax.device_put(weight, weight_sharding(other))})
+    series = checkpoint.RunCheckpoints(tmp_path / "checkpoints", keep=2)
+    restored, position = series.restore(abstract)
+    assert series.latest_step() == 30 and int(restored["step"]) == 30 and position == {"position": 210}
+    np.testing.assert_array_equal(restored["weight"], np.asarray(weight) + 30)
+    assert restored["weight"].sharding.is_equivalent_to(weight_sharding(other), 2)
+    restored, position = series.restore(abstract, step=20)
+    assert int(restored["step"]) == 20 and position == {"position": 140}
+    np.testing.assert_array_equal(restored["key"], state["key"])
+    series.close()

@@ -1,0 +1,69 @@
+"""Verification of a run's state on its configured sets, in eval mode, batch split over the devices."""
+
+import io
+import pickle
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from jaxcls.eval.evaluator import Evaluator, eval_sets
+from jaxcls.reporting import log
+from jaxcls.run import build
+from tiny import get_config as tiny_config
+
+pytestmark = pytest.mark.slow  # compiles a run's initializer and its eval-mode backbone
+
+
+@pytest.fixture(scope="module")
+def run_and_state():
+    run = build(tiny_config(eval_batch_size=20))
+    return run, run.init_state()
+
+
+def write_bin(path, images, issame):
+    def png(image):
+        buf = io.BytesIO()
+        Image.fromarray(image).save(buf, "PNG")
+        return buf.getvalue()
+
+    path.write_bytes(pickle.dumps(([png(im) for im in images], list(issame))))
+
+
+def test_sets_are_the_bins_and_the_generated_heldout_pairs(tmp_path, run_and_state):
+    run, _ = run_and_state
+    images = np.random.default_rng(0).integers(0, 256, (8, 24, 24, 3), dtype=np.uint8)
+    write_bin(tmp_path / "mini.bin", images, [True, False, True, False])
+    config = tiny_config(eval_bins=[str(tmp_path / "mini.bin")])
+    (name, loaded, issame), (heldout, *_) = eval_sets(config, run.source)
+    assert (name, heldout) == ("mini", "heldout") and loaded.shape == (8, 16, 16, 3)  # resized to the input size
+    assert issame.tolist() == [True, False, True, False]
+    assert eval_sets(config, None)[0][0] == "mini"
+
+
+def test_embeddings_use_running_statistics(run_and_state):
+    """In eval mode an image's embedding does not depend on the rest of the batch (BatchNorm uses its running
+    statistics), and the batch is padded up to a multiple of the devices."""
+    run, state = run_and_state
+    evaluator = Evaluator(run)
+    assert evaluator.batch == 24
+    rng = np.random.default_rng(1)
+    a, b = (rng.integers(0, 256, (8, 16, 16, 3), dtype=np.uint8) for _ in range(2))
+    b[0] = a[0]
+    emb_a, emb_b = np.asarray(evaluator.embed(state, a)), np.asarray(evaluator.embed(state, b))
+    assert emb_a.shape == (8, 32) and emb_a.dtype == np.float32
+    np.testing.assert_allclose(emb_a[0], emb_b[0], rtol=1e-5, atol=1e-6)
+    assert not np.allclose(emb_a[1], emb_b[1])
+
+
+def test_metrics_and_collapse_warning(run_and_state, caplog):
+    run, state = run_and_state
+    log.addHandler(caplog.handler)
+    try:
+        results = Evaluator(build(tiny_config(collapse_warning=-1.0)))(state)  # any embedding "collapses"
+    finally:
+        log.removeHandler(caplog.handler)
+    assert set(results) == {f"val/heldout/{k}" for k in ("accuracy", "accuracy_std", "best_threshold", "xnorm",
+                                                          "mean_cosine")}
+    assert 0.0 <= results["val/heldout/accuracy"] <= 1.0 and results["val/heldout/xnorm"] > 0
+    assert "embedding collapse on heldout" in caplog.text

@@ -1,0 +1,70 @@
+"""Building a run from a config: state created in its shardings, abstract state, margins, summary."""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxcls import weight_sharding
+from jaxcls.losses import MARGINS
+from jaxcls.run import build, make_margin
+from tiny import get_config as tiny_config
+
+
+@pytest.fixture(scope="module")
+def run_and_state():
+    run = build(tiny_config(sample_rate=0.5))
+    return run, run.init_state()
+
+
+def test_state_is_created_in_the_abstract_states_shardings(run_and_state):
+    run, state = run_and_state
+    for leaf, spec in zip(jax.tree.leaves(state), jax.tree.leaves(run.abstract_state)):
+        assert leaf.shape == spec.shape and leaf.dtype == spec.dtype
+        assert leaf.sharding.is_equivalent_to(spec.sharding, leaf.ndim)
+    assert state["weight"].shape == (64, 32) and state["weight"].sharding.is_equivalent_to(
+        weight_sharding(run.mesh), 2)
+    assert all(s.sharding.is_equivalent_to(weight_sharding(run.mesh), 2) for s in state["fc_opt"].slots)
+    assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(state["params"]))
+    assert int(state["step"]) == 0
+
+
+def test_init_is_deterministic_in_the_seed(run_and_state):
+    run, state = run_and_state
+    again = run.init_state()
+    for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(again["params"])):
+        np.testing.assert_array_equal(a, b)
+    other = build(tiny_config(sample_rate=0.5, seed=1)).init_state()
+    assert not np.array_equal(other["weight"], state["weight"])
+
+
+def test_class_only_layout_and_data_axis():
+    run = build(tiny_config(class_axes="class", mesh_data=2))
+    assert dict(run.mesh.shape) == {"data": 2, "class": 4}
+    assert run.abstract_state["weight"].sharding.is_equivalent_to(weight_sharding(run.mesh, ("class",)), 2)
+    assert run.trainer.head.class_axes == ("class",)
+
+
+def test_without_data_opens_nothing_but_generated_sources(tmp_path):
+    c = tiny_config()
+    c.data.kind, c.data.root = "recordio", str(tmp_path / "not-here")
+    assert build(c, with_data=False).source is None
+    with pytest.raises(FileNotFoundError):
+        build(c)
+    assert build(tiny_config(), with_data=False).source is not None  # procedural: made on the fly
+
+
+def test_summary_names_the_resolved_run(run_and_state):
+    text = "\n".join(run_and_state[0].summary())
+    for part in ("model r18", "64 classes × 32", "8 class shards, 8 rows per device", "PartialFC 0.5",
+                 "data=1 × class=8", "global batch 32 (4 per device)", "512 images of 64 classes"):
+        assert part in text, (part, text)
+    assert len(run_and_state[0].summary()) <= 6
+
+
+@pytest.mark.parametrize("name", sorted(MARGINS))
+@pytest.mark.parametrize("straight_through", [False, True])
+def test_margin_from_config_honours_every_field(name, straight_through):
+    c = tiny_config(margin=dict(name=name, s=32.0, m=0.3, straight_through=straight_through))
+    margin = make_margin(c.margin)
+    assert margin == MARGINS[name](s=32.0, m=0.3, straight_through=straight_through)
+    assert margin.straight_through is straight_through and margin.s == 32.0

@@ -1,0 +1,82 @@
+"""Training sources by kind, each built from ``config.data`` (RecordIO's reader: test_recordio.py)."""
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from jaxcls.data.recordio import MXFaceDataset, pack, write_records
+from jaxcls.data.sources import ImageFolder, ProceduralGlyphs, SyntheticNoise, make_source
+from tiny import get_config as tiny_config
+
+
+def png(value, size=8):
+    buf = io.BytesIO()
+    Image.fromarray(np.full((size, size, 3), value, np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def test_image_folder_numbers_classes_in_name_order(tmp_path):
+    for name, values in {"zebra": [1, 2], "apple": [3], "mango": [4, 5, 6]}.items():
+        (tmp_path / name).mkdir()
+        for v in values:
+            (tmp_path / name / f"{v}.png").write_bytes(png(v))
+    (tmp_path / "apple" / "notes.txt").write_text("not an image")
+    ds = ImageFolder(tmp_path)
+    assert ds.classes == ["apple", "mango", "zebra"] and ds.num_classes() == 3 and len(ds) == 6
+    got = sorted((int(np.asarray(Image.open(io.BytesIO(ds.raw(i)[0])))[0, 0, 0]), ds.raw(i)[1]) for i in range(6))
+    assert got == [(1, 2), (2, 2), (3, 0), (4, 1), (5, 1), (6, 1)]
+
+
+def test_image_folder_errors(tmp_path):
+    with pytest.raises(ValueError, match="no class folders"):
+        ImageFolder(tmp_path)
+    (tmp_path / "a").mkdir()
+    with pytest.raises(ValueError, match="no images in 1 class folders"):
+        ImageFolder(tmp_path)
+
+
+def test_procedural_glyphs_are_deterministic_and_identity_specific():
+    ds = ProceduralGlyphs(num_classes=10, images_per_class=4, size=24)
+    assert len(ds) == 40 and ds.num_classes() == 10 and ds.raw(9)[1] == 2
+    np.testing.assert_array_equal(ds.image(3, 1), ProceduralGlyphs(num_classes=10, size=24).image(3, 1))
+    same = np.abs(ds.image(3, 1).astype(int) - ds.image(3, 2)).mean()
+    other = np.abs(ds.image(3, 1).astype(int) - ds.image(4, 1)).mean()
+    assert ds.image(3, 1).shape == (24, 24, 3) and same < other
+
+
+def test_heldout_pairs_alternate_and_use_unseen_identities():
+    ds = ProceduralGlyphs(num_classes=10, images_per_class=4, size=16)
+    images, issame = ds.heldout_pairs(num_pairs=20)
+    assert images.shape == (40, 16, 16, 3) and images.dtype == np.uint8
+    assert issame.tolist() == [True, False] * 10
+    trained = {ds.raw(i)[0].tobytes() for i in range(len(ds))}
+    assert not trained & {im.tobytes() for im in images}
+    np.testing.assert_array_equal(images, ds.heldout_pairs(num_pairs=20)[0])
+
+
+def test_synthetic_noise():
+    ds = SyntheticNoise(num_classes=7, size=12, length=100)
+    image, label = ds.raw(5)
+    assert image.shape == (12, 12, 3) and 0 <= label < 7 and len(ds) == 100
+    np.testing.assert_array_equal(image, ds.raw(5)[0])
+
+
+def test_every_kind_builds_itself_from_the_data_config(tmp_path):
+    c = tiny_config()
+    assert isinstance(make_source(c.data, 64), ProceduralGlyphs) and make_source(c.data, 64).num_classes() == 64
+    c.data.kind = "synthetic"
+    synthetic = make_source(c.data, 64)
+    assert isinstance(synthetic, SyntheticNoise) and synthetic.raw(0)[0].shape == (16, 16, 3)
+    c.data.kind, c.data.root = "recordio", str(write_records(tmp_path / "rec", {k: pack(k, png(k)) for k in range(3)}))
+    assert isinstance(make_source(c.data, 64), MXFaceDataset) and len(make_source(c.data, 64)) == 3
+    (tmp_path / "folder" / "only").mkdir(parents=True)
+    (tmp_path / "folder" / "only" / "x.png").write_bytes(png(0))
+    c.data.kind, c.data.root = "folder", str(tmp_path / "folder")
+    assert isinstance(make_source(c.data, 64), ImageFolder)
+    assert [k.generated for k in (ProceduralGlyphs, SyntheticNoise, ImageFolder, MXFaceDataset)] == [True, True, False,
+                                                                                                       False]
+    c.data.kind = "webdataset"
+    with pytest.raises(ValueError, match=r"unknown data source 'webdataset'; choose one of \['folder'"):
+        make_source(c.data, 64)

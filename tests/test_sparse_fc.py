@@ -1,0 +1,97 @@
+"""Sparse FC optimizers: only the sampled rows (and their state) change, as optax would change them."""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxcls import make_mesh
+from jaxcls.losses import init_weight
+from jaxcls.partial_fc import gather_rows
+from jaxcls.sparse_fc import SparseState, adamw, sgd
+from problems import draw
+
+
+def optax_reference(name, w_rows, slots, g_rows, lr, count):
+    """The same step by optax on the sampled rows alone, as dense parameters."""
+    if name == "sgd":
+        tx = optax.chain(optax.add_decayed_weights(5e-4), optax.sgd(lr, momentum=0.9))
+        state = (optax.EmptyState(), (optax.TraceState(trace=slots[0]), optax.EmptyState()))
+        updates, state = tx.update(g_rows, state, w_rows)
+        return optax.apply_updates(w_rows, updates), (state[1][0].trace,)
+    tx = optax.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1)
+    state = (optax.ScaleByAdamState(count=jnp.int32(count), mu=slots[0], nu=slots[1]), optax.EmptyState(),
+             optax.EmptyState())
+    updates, state = tx.update(g_rows, state, w_rows)
+    return optax.apply_updates(w_rows, updates), (state[0].mu, state[0].nu)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+@pytest.mark.parametrize("mesh_shape", [(1, 8), (4, 2)], ids=str)
+def test_sparse_update_equals_optax_on_sampled_rows_and_leaves_others(mesh_shape, name, rng):
+    mesh = make_mesh(*mesh_shape)
+    c, d, n = 8 * 25 - 5, 8, 16
+    opt = {"sgd": sgd(), "adamw": adamw()}[name]
+    labels, sample, rows = draw(rng, mesh, c, n, 0.2)
+    weight = init_weight(jax.random.key(int(rng.integers(2**31))), c, d, mesh, stddev=1.0)
+    state = opt.init(weight)
+    random_like = lambda x: jax.device_put(rng.normal(size=x.shape).astype(np.float32) ** 2, x.sharding)
+    state = SparseState(tuple(random_like(s) for s in state.slots), jnp.int32(int(rng.integers(0, 50))))
+    grads = random_like(gather_rows(weight, sample, mesh=mesh))
+    lr = float(rng.uniform(0.01, 0.5))
+    step = jax.jit(partial(opt.update, mesh=mesh), donate_argnums=())
+    new_w, new_state = step(weight, state, sample.rows, grads, lr)
+
+    # Global row index of each sampled row.
+    c_local = rows // mesh.size
+    global_rows = np.asarray(sample.rows) + np.repeat(np.arange(mesh.size) * c_local, len(sample.rows) // mesh.size)
+    w_rows = np.asarray(weight)[global_rows]
+    slots = tuple(np.asarray(s)[global_rows] for s in state.slots)
+    ref_w, ref_slots = optax_reference(name, w_rows, slots, np.asarray(grads), lr, int(state.count))
+    np.testing.assert_allclose(np.asarray(new_w)[global_rows], ref_w, rtol=2e-6, atol=1e-6)  # f32 cancellation in w − lr·buf
+    for new, ref in zip(new_state.slots, ref_slots):
+        np.testing.assert_allclose(np.asarray(new)[global_rows], ref, rtol=2e-6, atol=1e-6)  # f32 cancellation in w − lr·buf
+    untouched = np.setdiff1d(np.arange(rows), global_rows)
+    assert np.array_equal(np.asarray(new_w)[untouched], np.asarray(weight)[untouched])
+    for new, old in zip(new_state.slots, state.slots):
+        assert np.array_equal(np.asarray(new)[untouched], np.asarray(old)[untouched])
+    assert int(new_state.count) == int(state.count) + 1
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_dense_update_equals_update_of_every_row(name, rng):
+    mesh = make_mesh(2, 4)
+    opt = {"sgd": sgd(), "adamw": adamw()}[name]
+    weight = init_weight(jax.random.key(int(rng.integers(2**31))), 8 * 6, 8, mesh, stddev=1.0)
+    state = opt.init(weight)
+    grads = jax.device_put(rng.normal(size=weight.shape).astype(np.float32), weight.sharding)
+    every_row = jax.device_put(np.tile(np.arange(6, dtype=np.int32), 8), jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(("data", "class"))))
+    step = jax.jit(partial(opt.update, mesh=mesh))
+    dense, sparse = step(weight, state, None, grads, 0.1), step(weight, state, every_row, grads, 0.1)
+    for a, b in zip(jax.tree.leaves(dense), jax.tree.leaves(sparse)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_compact_state_updates_in_float32_and_stores_rounded(dtype, rng):
+    mesh = make_mesh(2, 4)
+    c, d = 8 * 20, 8
+    labels, sample, rows = draw(rng, mesh, c, 16, 0.1)
+    weight = init_weight(jax.random.key(0), c, d, mesh, dtype=dtype, stddev=1.0)
+    opt = sgd(state_dtype=dtype)
+    state = opt.init(weight)
+    assert weight.dtype == dtype and state.slots[0].dtype == dtype and weight.sharding == state.slots[0].sharding
+    grads = jax.device_put(rng.normal(size=(len(sample.rows), d)).astype(np.float32), weight.sharding)
+    new_w, new_state = jax.jit(partial(opt.update, mesh=mesh))(weight, state, sample.rows, grads, 0.1)
+    assert new_w.dtype == dtype and new_state.slots[0].dtype == dtype
+    c_local = rows // 8
+    global_rows = np.asarray(sample.rows) + np.repeat(np.arange(8) * c_local, len(sample.rows) // 8)
+    w32 = np.asarray(weight.astype(jnp.float32))[global_rows]
+    g = np.asarray(grads) + 5e-4 * w32
+    expected = (w32 - 0.1 * g).astype(dtype)  # float32 arithmetic, one rounding to the storage dtype
+    np.testing.assert_array_equal(np.asarray(new_w)[global_rows], expected)
+    np.testing.assert_array_equal(np.asarray(new_state.slots[0])[global_rows], g.astype(dtype))

@@ -1,0 +1,123 @@
+"""The tile kernel (``jaxcls.losses.tiles``) on one shard's rows against dense float64 formulas."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxcls.losses import tiles
+from jaxcls.mesh import make_mesh, row_spec
+from reference import MARGINS, margin_target, rel_err
+
+
+def tile_walk(rng, tile):
+    """A shard of R rows (some padding) visited in tiles of ``tile``, and a batch whose targets are partly here."""
+    # D ≥ 8: in fewer dimensions random unit vectors often have |cos θ| ≈ 1, where the ArcFace derivative
+    # 1/sin θ turns float32 rounding of cos θ into gradient error beyond the tolerance
+    n, d, rows = int(rng.integers(3, 9)), int(rng.integers(8, 17)), int(rng.integers(max(tile, 3), 4 * tile + 3))
+    e_n = np.asarray(tiles.l2_normalize(rng.normal(size=(n, d))))
+    weight = rng.normal(size=(rows, d)).astype(np.float32)
+    # up to 2 padding rows; 2 real rows at least (with one class every loss and gradient is exactly 0)
+    valid = np.arange(rows) < rows - int(rng.integers(0, min(3, rows - 1)))
+    targets = rng.integers(-1, int(valid.sum()), size=n).astype(np.int32)  # -1: the class lives elsewhere
+
+    def tile_at(i):
+        first, owned = tiles.tile_starts(rows, tile, i)
+        return (jax.lax.dynamic_slice_in_dim(weight, first, tile), jax.lax.dynamic_slice_in_dim(valid, first, tile),
+                first, owned)
+
+    return e_n, weight, valid, targets, tile_at, tiles.num_tiles(rows, tile)
+
+
+def dense_logits(e_n, weight, valid, targets, margin):
+    """float64 margin logits ``[N, R]`` of the valid rows (others −inf) and each row's target logit (0 if absent)."""
+    with jax.enable_x64(True):
+        w = np.asarray(weight, np.float64)
+        cos = np.asarray(e_n, np.float64) @ (w / np.linalg.norm(w, axis=1, keepdims=True)).T
+        rows = np.arange(len(cos))
+        t_logit = np.asarray(margin_target(cos[rows, np.maximum(targets, 0)], margin.s, margin.m1, margin.m2,
+                                           margin.m3))
+    logits = margin.s * cos
+    logits[targets >= 0, targets[targets >= 0]] = t_logit[targets >= 0]
+    logits[:, ~valid] = -np.inf
+    return logits, np.where(targets >= 0, t_logit, 0.0)
+
+
+@pytest.mark.parametrize("tile", [1, 3, 4])
+@pytest.mark.parametrize("margin", ["arcface", "cosface", "combined"])
+def test_online_stats_equal_dense_logsumexp(margin, tile, rng):
+    e_n, weight, valid, targets, tile_at, n_tiles = tile_walk(rng, tile)
+    row_max, row_sum, target = jax.jit(lambda e: tiles.online_stats(e, targets, n_tiles, tile_at, MARGINS[margin]))(e_n)
+    logits, ref_target = dense_logits(e_n, weight, valid, targets, MARGINS[margin])
+    ref_lse = np.log(np.sum(np.exp(logits - logits.max(1, keepdims=True)), 1)) + logits.max(1)
+    assert rel_err(row_max + np.log(row_sum), ref_lse) < 1e-5
+    assert rel_err(target, ref_target) < 1e-5
+
+
+@pytest.mark.parametrize("tile", [1, 3, 4])
+def test_tile_grads_sum_to_the_dense_gradient(tile, rng):
+    """Σ over tiles of ``tile_grads`` = d/d(e_n, W) of Σ g·(lse − target) with the lse held fixed, as in the kernel."""
+    margin = MARGINS["arcface"]
+    e_n, weight, valid, targets, tile_at, n_tiles = tile_walk(rng, tile)
+    g = rng.uniform(0.5, 2.0, size=len(e_n)).astype(np.float32)
+    logits, _ = dense_logits(e_n, weight, valid, targets, margin)
+    lse = (np.log(np.sum(np.exp(logits - logits.max(1, keepdims=True)), 1)) + logits.max(1)).astype(np.float32)
+    @jax.jit
+    def grads_of_tile(i):
+        w_tile, v_tile, first, owned = tile_at(i)
+        return tiles.tile_grads(jnp.asarray(e_n), w_tile, targets, v_tile, first, owned, margin, lse, g)
+
+    d_e, d_w = np.zeros(e_n.shape), np.zeros(weight.shape)
+    for i in range(n_tiles):
+        de, dw = grads_of_tile(i)
+        first = int(tiles.tile_starts(len(weight), tile, i)[0])
+        d_e += np.asarray(de)
+        d_w[first:first + tile] += np.asarray(dw)
+
+    def loss(e, w):  # float64: softmax cross-entropy of the valid columns; the lse's own gradient is the softmax
+        with jax.enable_x64(True):
+            wn = w / jnp.linalg.norm(w, axis=1, keepdims=True)
+            cos = e @ wn.T
+            rows = jnp.arange(cos.shape[0])
+            t = margin_target(cos[rows, jnp.maximum(targets, 0)], margin.s, margin.m1, margin.m2, margin.m3)
+            lg = (margin.s * cos).at[rows, jnp.maximum(targets, 0)].set(
+                jnp.where(targets >= 0, t, margin.s * cos[rows, jnp.maximum(targets, 0)]))
+            lg = jnp.where(valid[None, :], lg, -jnp.inf)
+            return jnp.sum(g * (jax.nn.logsumexp(lg, axis=1) - jnp.where(targets >= 0, t, 0.0)))
+
+    with jax.enable_x64(True):
+        ref_e, ref_w = jax.grad(loss, argnums=(0, 1))(np.asarray(e_n, np.float64), np.asarray(weight, np.float64))
+    assert rel_err(d_e, ref_e) < 1e-4
+    assert rel_err(d_w[valid], np.asarray(ref_w)[valid]) < 1e-4
+    assert np.all(d_w[~valid] == 0)
+
+
+@pytest.mark.parametrize("rows,tile", [(10, 3), (9, 3), (7, 7), (5, 1), (100, 33)])
+def test_tiles_own_every_row_once_and_stay_in_bounds(rows, tile):
+    owned_by = np.zeros(rows, int)
+    for i in range(tiles.num_tiles(rows, tile)):
+        first, owned = map(int, tiles.tile_starts(rows, tile, i))
+        assert 0 <= first and first + tile <= rows and first <= owned
+        owned_by[owned:first + tile] += 1
+    assert np.all(owned_by == 1), owned_by
+
+
+def test_local_rows_of(rng):
+    row_classes = np.sort(rng.choice(1000, size=50, replace=False)).astype(np.int32)
+    labels = np.concatenate([rng.choice(row_classes, 20), rng.integers(0, 1000, 20)]).astype(np.int32)
+    got = np.asarray(tiles.local_rows_of(labels, row_classes))
+    for label, row in zip(labels, got):
+        assert (row_classes[row] == label) if label in row_classes else row == -1
+
+
+def test_full_row_classes_are_sharded_row_ids():
+    mesh = make_mesh(2, 4)
+    ids = jax.jit(lambda: tiles.full_row_classes(16, mesh, ("class",)))()
+    np.testing.assert_array_equal(ids, np.arange(16))
+    assert ids.sharding.spec == row_spec(("class",))
+
+
+def test_validate_labels_names_the_first_bad_label():
+    tiles.validate_labels(np.array([0, 4, 2]), 5)
+    with pytest.raises(ValueError, match=r"label 7 at batch index 2 is outside \[0, 5\) \(2 bad labels"):
+        tiles.validate_labels(np.array([0, 1, 7, -1]), 5)
