@@ -1,6 +1,13 @@
-"""Eight CPU devices for every test, so meshes like (data=2, class=4) really run."""
+"""Eight CPU devices for every test, so meshes like (data=2, class=4) really run.
+
+Compiled programs go to a persistent compilation cache shared by this run's pytest processes (the xdist
+workers and the subprocesses of CLI and benchmark tests), so the identical train steps, initializers and
+evaluators that many tests build compile once per run. The cache is deleted when the run ends.
+"""
 
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]).strip()
@@ -12,7 +19,19 @@ import pytest  # noqa: E402
 
 assert jax.device_count() == 8, "tests need 8 CPU devices: import jax only after conftest sets XLA_FLAGS"
 
+if "JAXCLS_TEST_XLA_CACHE" not in os.environ:  # the first process of the run; xdist workers inherit its environment
+    os.environ["JAXCLS_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="jaxcls-test-xla-cache-")
+COMPILATION_CACHE = os.environ["JAXCLS_TEST_XLA_CACHE"]
+jax.config.update("jax_compilation_cache_dir", COMPILATION_CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
 MESH_SHAPES = [(1, 8), (2, 4), (4, 2), (8, 1)]
+
+
+def pytest_sessionfinish(session):
+    if not hasattr(session.config, "workerinput"):  # the controller (or a run without xdist), after all workers
+        shutil.rmtree(COMPILATION_CACHE, ignore_errors=True)
 
 
 @pytest.fixture
