@@ -20,7 +20,7 @@ import numpy as np
 from common import print_table, write_json
 from PIL import Image
 
-from jaxcls.data.pipeline import train_batches
+from jaxcls.data.pipeline import HostBatches
 from jaxcls.data.recordio import MXFaceDataset, decode_image, pack, write_records
 
 GLYPHS = Path(__file__).resolve().parents[2] / "shared" / "data" / "glyphs"
@@ -45,8 +45,7 @@ def decode_rate(ds, n):
 
 
 def pipeline_rate(ds, batches, batch_size, threads, size):
-    it = train_batches(ds, batch_size=batch_size, size=size, seed=0, threads=threads, process_index=0,
-                       process_count=1)
+    it = HostBatches(ds, global_batch=batch_size, rows=(0, batch_size), size=size, seed=0, threads=threads)
     next(it)  # start-up
     start = time.perf_counter()
     for _ in range(batches):

@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 from common import compiled_memory, peak_device_bytes, print_table, write_json  # noqa: E402
 
 from jaxcls.config import base_config  # noqa: E402
-from jaxcls.data.pipeline import device_batch, train_batches  # noqa: E402
+from jaxcls.data.pipeline import HostBatches, device_batch  # noqa: E402
 from jaxcls.data.recordio import MXFaceDataset  # noqa: E402
 from jaxcls.mesh import batch_sharding  # noqa: E402
 from jaxcls.run import build  # noqa: E402
@@ -55,8 +55,8 @@ def measure(config, steps, pipeline_root=None, warmup=3):
     batches = None
     if pipeline_root:
         source = MXFaceDataset(pipeline_root)
-        batches = train_batches(source, batch_size=config.batch_size, size=config.data.input_size, seed=0,
-                                threads=16, process_index=0, process_count=1)
+        batches = HostBatches(source, global_batch=config.batch_size, rows=(0, config.batch_size),
+                              size=config.data.input_size, seed=0, threads=16)
     next_batch = (lambda: device_batch(next(batches), sharding)) if batches else (lambda: fixed)
     for _ in range(warmup):
         state, metrics = step(state, *next_batch())

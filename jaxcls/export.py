@@ -15,10 +15,13 @@ from jaxcls.run import make_model, split_model
 
 
 def export_backbone(config, state: dict, out: str | os.PathLike) -> None:
-    """Write ``out/config.json`` and ``out/backbone`` (params + stats as global arrays, replicated)."""
+    """Write ``out/config.json`` and ``out/backbone`` (params + stats as global arrays, replicated).
+
+    With several processes every one calls this (each writes its part; process 0 the config)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(config.to_json_best_effort(indent=2))
+    if jax.process_index() == 0:
+        (out / "config.json").write_text(config.to_json_best_effort(indent=2))
     ckpt.save(out / "backbone", {"params": state["params"], "stats": state["stats"]})
 
 

@@ -96,3 +96,16 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 def replicated(mesh: Mesh) -> NamedSharding:
     """A fully replicated sharding on ``mesh``."""
     return NamedSharding(mesh, REPLICATED)
+
+
+def host_rows(mesh: Mesh, global_batch: int) -> tuple[int, int]:
+    """``(start, stop)``: the rows of a global batch that this process's devices hold in the batch sharding.
+
+    Raises ``ValueError`` when they are not one contiguous block (a mesh whose device order interleaves hosts).
+    """
+    index_map = batch_sharding(mesh).addressable_devices_indices_map((global_batch,))
+    rows = sorted({r for index in index_map.values() for r in range(*index[0].indices(global_batch))})
+    if rows != list(range(rows[0], rows[-1] + 1)):
+        raise ValueError(f"process {jax.process_index()}'s devices hold rows {rows} of the global batch: not one "
+                         "contiguous block; order the mesh's devices host by host")
+    return rows[0], rows[-1] + 1

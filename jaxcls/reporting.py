@@ -19,21 +19,22 @@ log = logging.getLogger("jaxcls")
 
 
 class _BarSafeHandler(logging.Handler):
-    """Writes records above the progress bar instead of through it."""
+    """Writes records above the progress bar instead of through it, prefixed ``[process i] LEVEL`` when the
+    run has several processes (asked at each record: logging may be configured before jax.distributed)."""
 
     def emit(self, record):
-        tqdm.write(self.format(record), file=sys.stderr)
+        message = self.format(record)
+        if jax.process_count() > 1:
+            message = f"[process {jax.process_index()}] {record.levelname} {message}"
+        tqdm.write(message, file=sys.stderr)
 
 
 def configure_logging(verbose: bool = False) -> None:
-    """jaxcls messages (INFO and up) on stderr, prefixed ``[process i]`` when there are several processes;
-    absl and the libraries logging through it (orbax) at WARNING unless ``verbose``."""
-    if not verbose:  # before jax's first backend query, which logs at INFO
+    """jaxcls messages (INFO and up) on stderr; absl and the libraries logging through it (orbax, jax's
+    distributed setup) at WARNING unless ``verbose``. Call it first: it touches no device."""
+    if not verbose:
         absl_logging.set_verbosity(absl_logging.WARNING)
-    prefix = f"[process {jax.process_index()}] " if jax.process_count() > 1 else ""
-    handler = _BarSafeHandler()
-    handler.setFormatter(logging.Formatter(f"{prefix}%(levelname)s %(message)s" if prefix else "%(message)s"))
-    log.handlers[:] = [handler]
+    log.handlers[:] = [_BarSafeHandler()]
     log.setLevel(logging.INFO)
     log.propagate = False
 

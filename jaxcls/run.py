@@ -17,11 +17,11 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxcls.config import check_data_classes, validate
-from jaxcls.data.pipeline import train_batches
+from jaxcls.data.pipeline import HostBatches
 from jaxcls.data.sources import SOURCES, make_source
 from jaxcls.fc import FCHead
 from jaxcls.losses.margins import MARGINS, CombinedMargin
-from jaxcls.mesh import CLASS_AXES, class_shards, make_mesh, replicated, weight_sharding
+from jaxcls.mesh import CLASS_AXES, class_shards, host_rows, make_mesh, replicated, weight_sharding
 from jaxcls.models import get_model, one_off_compile_options
 from jaxcls.optimizers import lr_schedule, make_optimizers
 from jaxcls.precision import DynamicLossScale, compute_dtype
@@ -58,11 +58,12 @@ class Run:
         return jax.jit(self.trainer.train_step, donate_argnums=0,
                        out_shardings=(self.state_shardings, replicated(self.mesh)))
 
-    def batches(self):
-        """The checkpointable iterator of this host's ``(uint8 images, int32 labels)`` training batches."""
+    def batches(self) -> HostBatches:
+        """The checkpointable iterator of this host's rows of every global training batch."""
         c = self.config
-        return train_batches(self.source, batch_size=c.batch_size // jax.process_count(), size=c.data.input_size,
-                             seed=c.seed, flip=c.data.flip, workers=c.data.workers, threads=c.data.threads)
+        return HostBatches(self.source, global_batch=c.batch_size, rows=host_rows(self.mesh, c.batch_size),
+                           size=c.data.input_size, seed=c.seed, flip=c.data.flip, workers=c.data.workers,
+                           threads=c.data.threads)
 
     def summary(self) -> list[str]:
         """The resolved run in a few lines: model, FC, mesh and batch, data."""

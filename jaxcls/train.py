@@ -13,9 +13,11 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 from absl import app, flags
 from ml_collections import config_flags
 
+from jaxcls import distributed
 from jaxcls.checkpoint import RunCheckpoints, check_num_classes
 from jaxcls.data.pipeline import device_batch
 from jaxcls.eval.evaluator import Evaluator
@@ -35,11 +37,14 @@ def train(config, workdir: str | os.PathLike, devices=None, progress: bool = Tru
     run = build(config, devices)
     checkpoints = RunCheckpoints(workdir / "checkpoints", config.keep_checkpoints)
     resuming = checkpoints.latest_step() is not None
-    if resuming and (workdir / "config.json").exists():
+    saved_config = workdir / "config.json"
+    if resuming and saved_config.exists():
         # restores pad or truncate FC rows to the new mesh, so a changed class count must be caught here
-        check_num_classes(json.loads((workdir / "config.json").read_text())["num_classes"], config.num_classes)
+        check_num_classes(json.loads(saved_config.read_text())["num_classes"], config.num_classes)
+    distributed.barrier("config.json read")  # by every process, before process 0 replaces it
     if jax.process_index() == 0:
-        (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+        saved_config.with_suffix(".tmp").write_text(config.to_json_best_effort(indent=2))
+        saved_config.with_suffix(".tmp").replace(saved_config)
     batches = run.batches()
     if resuming:
         state, position = checkpoints.restore(run.abstract_state)
@@ -49,7 +54,8 @@ def train(config, workdir: str | os.PathLike, devices=None, progress: bool = Tru
     start = int(state["step"])
     for line in run.summary() + ([f"resumed from step {start} in {workdir}"] if resuming else [f"workdir {workdir}"]):
         log.info(line)
-    step_fn, evaluate = run.jit_step(), Evaluator(run)
+    step_fn, evaluate = compile_step(run, state), Evaluator(run)
+    distributed.barrier("train step compiled")  # every process starts stepping together
     writer, sharding = MetricsWriter(workdir, resumed_step=start), batch_sharding(run.mesh)
     end = config.total_steps if stop_after is None else min(stop_after, config.total_steps)
     bar = Progress(config.total_steps, start, enabled=progress and jax.process_index() == 0)
@@ -74,6 +80,15 @@ def train(config, workdir: str | os.PathLike, devices=None, progress: bool = Tru
     return state, last
 
 
+def compile_step(run, state):
+    """The train step compiled ahead of time for ``state`` (as initialized or restored) and a global batch."""
+    c, sharding = run.config, batch_sharding(run.mesh)
+    images = jax.ShapeDtypeStruct((c.batch_size, c.data.input_size, c.data.input_size, 3), jnp.uint8,
+                                  sharding=sharding)
+    labels = jax.ShapeDtypeStruct((c.batch_size,), jnp.int32, sharding=sharding)
+    return run.jit_step().lower(state, images, labels).compile()
+
+
 def logged_metrics(metrics: dict, step: int, config, seconds: float) -> dict:
     """The row of ``metrics.jsonl`` for a log step (``seconds`` since the previous one); warns on a bad step."""
     steps = config.log_every if step % config.log_every == 0 else step % config.log_every
@@ -88,10 +103,9 @@ def logged_metrics(metrics: dict, step: int, config, seconds: float) -> dict:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
-    if flags.FLAGS.distributed:
-        jax.distributed.initialize()
     configure_logging(verbose=flags.FLAGS["verbosity"].present)
-    _, final = train(flags.FLAGS.config, flags.FLAGS.workdir)
+    distributed.initialize_from_flags()
+    _, final = train(flags.FLAGS.config, flags.FLAGS.workdir, stop_after=flags.FLAGS.stop_after)
     accuracies = ", ".join(f"{k.split('/')[1]} {v:.2%} ± {final[k + '_std']:.2%}"
                            for k, v in final.items() if k.endswith("/accuracy"))
     log.info("done: loss %.4g%s", final.get("loss", float("nan")), f", verification {accuracies}" if accuracies else "")
@@ -101,7 +115,8 @@ def define_flags():
     default = os.path.join(os.path.dirname(__file__), "config.py")
     config_flags.DEFINE_config_file("config", default, "a configs/*.py file; default: the built-in procedural run")
     flags.DEFINE_string("workdir", "runs/default", "where checkpoints, metrics and the config go")
-    flags.DEFINE_bool("distributed", False, "call jax.distributed.initialize() (one process per host)")
+    flags.DEFINE_integer("stop_after", None, "end after this step (checkpointed), e.g. within a time-limited job")
+    distributed.define_flags()
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ SCRIPTS = {
     "train.py": {"model", "batch", "classes", "img_per_s", "temp_bytes"},
     "max_classes.py": {"classes", "img_per_s", "is_max"},
     "data.py": {"stage", "threads", "img_per_s"},
+    "cross_host.py": {"class_axes", "mesh", "cross_host_MB_per_host", "collectives"},
 }
 
 pytestmark = pytest.mark.slow

@@ -13,6 +13,7 @@ from jaxcls.mesh import (
     check_class_axes,
     class_shards,
     data_axes,
+    host_rows,
     make_mesh,
     padded_num_classes,
     replicated,
@@ -69,3 +70,8 @@ def test_unknown_class_axis():
     with pytest.raises(ValueError, match="class axis 'model' is not a mesh axis"):
         check_class_axes(make_mesh(), ("model",))
     assert check_class_axes(make_mesh(), ["class"]) == ("class",)
+
+
+def test_one_process_holds_every_row_of_the_global_batch():
+    assert host_rows(make_mesh(2, 4), 16) == (0, 16)
+    assert host_rows(make_mesh(1, 4, devices=jax.devices()[:4]), 8) == (0, 8)

@@ -1,16 +1,16 @@
 """The Grain input pipeline: host batches, epochs, exact resume from a saved position, device placement."""
 
 import jax
+import pytest
 import numpy as np
 
-from jaxcls.data.pipeline import device_batch, normalize, to_image, train_batches
+from jaxcls.data.pipeline import HostBatches, device_batch, normalize, to_image
 from jaxcls.data.sources import ProceduralGlyphs
 from jaxcls.mesh import batch_sharding, make_mesh
 
 
-def batches(source, **kwargs):
-    return train_batches(source, batch_size=8, size=16, seed=3, threads=2, process_index=0, process_count=1,
-                         **kwargs)
+def batches(source, rows=(0, 8), **kwargs):
+    return HostBatches(source, global_batch=8, rows=rows, size=16, seed=3, threads=2, **kwargs)
 
 
 def test_an_epoch_is_a_permutation_of_the_source_without_flips():
@@ -59,3 +59,25 @@ def test_device_batch_splits_the_batch_over_every_device():
     assert images.shape == (16, 4, 4, 3) and labels.sharding == batch_sharding(mesh)
     assert {s.data.shape[0] for s in labels.addressable_shards} == {2}
     np.testing.assert_array_equal(jax.device_get(labels), np.arange(16))
+
+
+def test_hosts_take_their_rows_of_every_global_batch_and_share_one_position():
+    source = ProceduralGlyphs(num_classes=6, images_per_class=4, size=16)
+    whole = batches(source)
+    hosts = [batches(source, rows=rows) for rows in ((0, 3), (3, 8))]
+    for _ in range(4):  # into the second epoch
+        images, labels = next(whole)
+        parts = [next(h) for h in hosts]
+        np.testing.assert_array_equal(images, np.concatenate([p[0] for p in parts]))
+        np.testing.assert_array_equal(labels, np.concatenate([p[1] for p in parts]))
+    assert hosts[0].get_state() == hosts[1].get_state() == whole.get_state() == {"global_batches": 4}
+    expected = next(whole)
+    one_host = batches(source)
+    one_host.set_state(hosts[0].get_state())  # saved by two hosts, continued by one
+    np.testing.assert_array_equal(next(one_host)[0], expected[0])
+
+
+def test_a_position_of_the_old_per_host_format_is_refused():
+    source = ProceduralGlyphs(num_classes=6, images_per_class=4, size=16)
+    with pytest.raises(ValueError, match="older jaxcls"):
+        batches(source).set_state({"next_index": 16})

@@ -9,8 +9,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import MESH_SHAPES
-from hlo import collectives
 from jaxcls import batch_sharding, class_shards, make_mesh, weight_sharding
+from jaxcls.hlo import collectives
 from jaxcls.losses import arcface, cosface, init_weight, sharded_margin_loss
 from reference import MARGINS, rel_err, value_and_grads
 
@@ -116,8 +116,8 @@ def test_no_collective_scales_with_classes(chunk_size):
             jax.ShapeDtypeStruct((c, d), jnp.float32, sharding=weight_sharding(mesh)),
             jax.ShapeDtypeStruct((n,), jnp.int32, sharding=batch_sharding(mesh)))
     found = collectives(grad_fn.lower(*args).compile().as_text())
-    assert any(op == "all-gather" for op, _ in found), found  # embeddings and labels are gathered
-    assert max(size for _, size in found) <= n * d < n * c_local, found
+    assert any(c.op == "all-gather" for c in found), found  # embeddings and labels are gathered
+    assert max(c.largest for c in found) <= n * d < n * c_local, found
 
 
 def test_sgd_lowers_loss_on_separable_problem(rng):

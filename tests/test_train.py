@@ -1,6 +1,7 @@
 """The trainer end to end: a glyphs run, exact resume on the same and other meshes, the quiet CLI, the eval CLI."""
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -53,6 +54,7 @@ def test_resume_is_exact_and_works_on_another_mesh(tmp_path, caplog):
     straight, _ = train(c, tmp_path / "straight", progress=False)
     train(c, tmp_path / "resumed", progress=False, stop_after=3)
     log.addHandler(caplog.handler)
+    caplog.set_level(logging.INFO, logger="jaxcls")
     try:
         resumed, _ = train(c, tmp_path / "resumed", progress=False)
     finally:

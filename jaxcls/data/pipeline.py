@@ -1,9 +1,11 @@
-"""The training input pipeline on Grain: shard per host, shuffle per epoch, decode, flip, batch, prefetch.
+"""The training input pipeline on Grain: one global stream, each host decoding its rows of every global batch.
 
-Batches are uint8 images ``[B_host, S, S, 3]`` and int32 labels; normalization ``(x/255 − 0.5)/0.5``
-happens on the device inside the train step (``normalize``), so a quarter of the bytes cross to the
-device. The Grain iterator's state (a position) is saved with every checkpoint, so a resumed run
-continues with exactly the next batch.
+The image indices are shuffled anew each epoch with the seed into one global stream, cut into global
+batches; a host decodes, flips and batches only its rows of each (the rows its devices hold in the batch
+sharding), with prefetch. Batches are uint8 images ``[B_host, S, S, 3]`` and int32 labels; normalization
+``(x/255 − 0.5)/0.5`` happens on the device inside the train step (``normalize``), so a quarter of the bytes
+cross to the device. The position saved with every checkpoint counts global batches, so a resumed run
+continues with exactly the next batch on any number of hosts.
 """
 
 from __future__ import annotations
@@ -29,40 +31,87 @@ def normalize(images: jax.Array) -> jax.Array:
     return images.astype(jnp.float32) * (2.0 / 255.0) - 1.0
 
 
+class _HostRows:
+    """Grain source of ``(global position, image index)`` for this host's rows of every global batch.
+
+    Global position ``g`` is the ``g``-th image of the one global stream (the image indices shuffled anew each
+    epoch with the seed); global batch ``b`` holds positions ``b·G … b·G + G − 1`` and this host takes rows
+    ``start … stop − 1`` of each, beginning at global batch ``first``. Nothing here depends on the number of
+    hosts, so the batches are the same on 1 process or many.
+    """
+
+    def __init__(self, order, global_batch: int, rows: tuple[int, int], first: int):
+        self.order, self.global_batch, self.rows, self.first = order, global_batch, rows, first
+
+    def __len__(self):
+        # endless in practice: the order repeats to 2**63 − 1 images
+        return (len(self.order) // self.global_batch - self.first) * (self.rows[1] - self.rows[0])
+
+    def __getitem__(self, k):
+        local = self.rows[1] - self.rows[0]
+        position = (self.first + k // local) * self.global_batch + self.rows[0] + k % local
+        return position, self.order[position]
+
+
 class _Decode:
-    """Grain random map: decode, resize, random horizontal flip."""
+    """Grain map: decode, resize and flip with a coin drawn from the seed and the global position."""
 
-    def __init__(self, source, size: int, flip: bool):
-        self.source, self.size, self.flip = source, size, flip
+    def __init__(self, source, size: int, flip: bool, seed: int):
+        self.source, self.size, self.flip, self.seed = source, size, flip, seed
 
-    def __call__(self, index, rng: np.random.Generator):
+    def __call__(self, element):
+        position, index = element
         data, label = self.source.raw(int(index))
         image = to_image(data, self.size)
-        if self.flip and rng.random() < 0.5:
+        if self.flip and np.random.default_rng((self.seed, position)).random() < 0.5:
             image = image[:, ::-1]
         return np.ascontiguousarray(image), np.int32(label)
 
 
-def train_batches(source, *, batch_size: int, size: int, seed: int, flip: bool = True, workers: int = 0,
-                  threads: int = 8, process_index: int | None = None, process_count: int | None = None):
-    """An endless, checkpointable Grain iterator of ``(uint8 images, int32 labels)`` host batches.
+class HostBatches:
+    """An endless iterator of this host's ``(uint8 images [rows, S, S, 3], int32 labels [rows])`` training batches.
 
-    ``batch_size`` is this host's share of the global batch; each host reads every
-    ``process_count``-th image starting at ``process_index``. ``workers > 0`` decodes in that many
-    processes, else in ``threads`` threads.
+    Its state is the number of *global* batches consumed: the same on every host and for any host count,
+    so a run checkpointed on 2 processes resumes on 1 (or 8) with exactly the next global batch.
+    ``workers > 0`` decodes in that many processes, else in ``threads`` threads.
     """
-    import grain
 
-    process_index = jax.process_index() if process_index is None else process_index
-    process_count = jax.process_count() if process_count is None else process_count
-    indices = grain.MapDataset.range(len(source))[process_index::process_count]
-    ds = (indices.shuffle(seed=seed).repeat(None)
-          .random_map(_Decode(source, size, flip), seed=seed + 1)
-          .batch(batch_size, drop_remainder=True))
-    it = ds.to_iter_dataset(grain.ReadOptions(num_threads=threads, prefetch_buffer_size=2 * batch_size))
-    if workers > 0:
-        it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
-    return iter(it)
+    def __init__(self, source, *, global_batch: int, rows: tuple[int, int], size: int, seed: int, flip: bool = True,
+                 workers: int = 0, threads: int = 8):
+        if not 0 <= rows[0] < rows[1] <= global_batch:
+            raise ValueError(f"host rows {rows} are not a part of a global batch of {global_batch}")
+        self.source, self.global_batch, self.rows = source, global_batch, rows
+        self.size, self.seed, self.flip, self.workers, self.threads = size, seed, flip, workers, threads
+        self.set_state({"global_batches": 0})
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = next(self.iterator)
+        self.consumed += 1
+        return batch
+
+    def get_state(self) -> dict:
+        return {"global_batches": self.consumed}
+
+    def set_state(self, state: dict) -> None:
+        """Continue after ``state['global_batches']`` global batches."""
+        import grain
+
+        if "global_batches" not in state:
+            raise ValueError(f"data position {state} was saved by an older jaxcls (a per-host position); "
+                             "it cannot be continued exactly: start the run afresh")
+        self.consumed = int(state["global_batches"])
+        order = grain.MapDataset.range(len(self.source)).shuffle(seed=self.seed).repeat(None)
+        rows = _HostRows(order, self.global_batch, self.rows, self.consumed)
+        local = self.rows[1] - self.rows[0]
+        ds = (grain.MapDataset.source(rows).map(_Decode(self.source, self.size, self.flip, self.seed))
+              .batch(local, drop_remainder=True))
+        it = ds.to_iter_dataset(grain.ReadOptions(num_threads=self.threads, prefetch_buffer_size=2 * local))
+        if self.workers > 0:
+            it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.workers))
+        self.iterator = iter(it)
 
 
 def device_batch(host_batch, sharding):

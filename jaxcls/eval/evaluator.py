@@ -2,11 +2,13 @@
 
 The sets are the ``.bin`` files of ``config.eval_bins`` plus, for a generated source that can make them,
 pairs of identities it never trains on (``heldout``). The backbone runs in eval mode (running BatchNorm
-statistics) with the batch split over every device; the protocol is ``jaxcls.eval.verification``'s.
+statistics) with the batch split over every device and the embeddings gathered to every process, which
+each score the pairs (the same numbers everywhere); the protocol is ``jaxcls.eval.verification``'s.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 
@@ -16,7 +18,7 @@ from flax import nnx
 
 from jaxcls.data.pipeline import normalize
 from jaxcls.eval.verification import evaluate, flip_sum_embeddings, load_bin
-from jaxcls.mesh import batch_sharding
+from jaxcls.mesh import batch_sharding, replicated
 
 log = logging.getLogger("jaxcls")
 
@@ -38,15 +40,17 @@ class Evaluator:
         self.sharding = batch_sharding(run.mesh)
         self.batch = -(-run.config.eval_batch_size // run.mesh.size) * run.mesh.size  # a multiple of the devices
 
-        @jax.jit
+        @functools.partial(jax.jit, out_shardings=replicated(run.mesh))  # gathered: readable on every host
         def embed(params, stats, images):
             return nnx.merge(run.eval_graphdef, params, stats)(normalize(images))
 
         self._embed = embed
 
     def embed(self, state: dict, images: np.ndarray) -> jax.Array:
-        """Float32 embeddings ``[B, D]`` of uint8 ``images`` ``[B, S, S, 3]`` (B a multiple of the devices)."""
-        return self._embed(state["params"], state["stats"], jax.device_put(images, self.sharding))
+        """Float32 embeddings ``[B, D]``, replicated, of uint8 ``images`` ``[B, S, S, 3]`` (B a multiple of the
+        devices). Every process passes the same ``images``; each places the rows its devices hold."""
+        images = jax.make_array_from_callback(images.shape, self.sharding, lambda index: images[index])
+        return self._embed(state["params"], state["stats"], images)
 
     def __call__(self, state: dict) -> dict:
         out = {}

@@ -1,0 +1,94 @@
+"""Bytes that cross hosts in one train step, read from the compiled HLO of the real step, for each FC layout.
+
+    python benchmarks/cross_host.py          # r50, 1M classes, batch 128 per GPU, 4 hosts × 8 GPUs
+    python benchmarks/cross_host.py --small  # r18 (width 8), 64 classes, 2 hosts × 4 devices; what the tests run
+
+Nothing runs: the step is compiled for ``hosts × per_host`` simulated CPU devices (the collectives are the
+partitioner's, the same on every backend; GPUs only combine small ones), and device ``i`` of the mesh is
+placed on host ``i // per_host``, as ``jax.make_mesh`` orders the devices of a multi-host job. Bytes per host
+follow ``jaxcls.hlo.cross_host_bytes``: what a host-aware algorithm must receive from other hosts, the largest
+host's share. Layouts: the FC over every device with the class axis spanning the hosts (``mesh_data=1``), or
+with ``mesh_data = hosts`` (the data axis across hosts, the class axis inside each); the FC over the class
+axis only (``class_axes=class``), replicated once per host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+
+from common import force_cpu_devices, print_table, write_json
+
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--small", action="store_true")
+parser.add_argument("--hosts", type=int, default=None)
+parser.add_argument("--per_host", type=int, default=None)
+parser.add_argument("--out", default="benchmarks/results/cross_host.json")
+ARGS = parser.parse_args()
+HOSTS = ARGS.hosts or (2 if ARGS.small else 4)
+PER_HOST = ARGS.per_host or (4 if ARGS.small else 8)
+force_cpu_devices(HOSTS * PER_HOST)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from jaxcls.config import base_config  # noqa: E402
+from jaxcls.hlo import collectives, cross_host_bytes  # noqa: E402
+from jaxcls.mesh import batch_sharding, class_shards  # noqa: E402
+from jaxcls.models import one_off_compile_options  # noqa: E402
+from jaxcls.run import build  # noqa: E402
+
+LAYOUTS = [("data,class", 1), ("data,class", HOSTS), ("class", HOSTS)]  # (class_axes, mesh_data)
+
+
+def step_config(class_axes: str, mesh_data: int):
+    c = base_config()
+    c.class_axes, c.mesh_data = class_axes, mesh_data
+    c.data.kind = "synthetic"
+    if ARGS.small:
+        c.data.input_size, c.model_kwargs, c.num_features, c.num_classes, per_device = 16, dict(width=8), 32, 64, 4
+    else:
+        c.data.input_size, c.model, c.model_kwargs, c.num_features = 112, "r50", {}, 512
+        c.num_classes, c.precision, per_device = 1_000_000, "bfloat16", 128
+    c.batch_size = per_device * HOSTS * PER_HOST
+    c.margin = dict(name="arcface", s=64.0, m=0.5, straight_through=False)
+    return c
+
+
+def measure(class_axes: str, mesh_data: int) -> dict:
+    config = step_config(class_axes, mesh_data)
+    run = build(config, jax.devices()[:HOSTS * PER_HOST])
+    s = config.data.input_size
+    images = jax.ShapeDtypeStruct((config.batch_size, s, s, 3), jnp.uint8, sharding=batch_sharding(run.mesh))
+    labels = jax.ShapeDtypeStruct((config.batch_size,), jnp.int32, sharding=batch_sharding(run.mesh))
+    compiled = run.jit_step().lower(run.abstract_state, images, labels).compile(one_off_compile_options("cpu"))
+    hosts = [d.id // PER_HOST for d in run.mesh.devices.flat]
+    by_op, per_host = collections.Counter(), [0] * HOSTS
+    found = collectives(compiled.as_text())
+    for c in found:  # an instruction inside the FC's tile loop runs once per tile
+        received = [c.count * b for b in cross_host_bytes(c, hosts)]
+        per_host = [a + b for a, b in zip(per_host, received)]
+        by_op[c.op] += max(received)
+    shards = class_shards(run.mesh, run.trainer.head.class_axes)
+    mb = lambda b: b / 2**20
+    return {"class_axes": class_axes, "mesh": f"data={run.mesh.shape['data']} × class={run.mesh.shape['class']}",
+            "hosts": HOSTS, "per_host": PER_HOST, "model": config.model, "classes": config.num_classes,
+            "batch_per_device": config.batch_size // run.mesh.size,
+            "fc_rows_per_device": run.trainer.head.rows // shards,
+            "collectives": sum(c.count for c in found),
+            "all_reduce_MB": mb(by_op["all-reduce"]), "all_gather_MB": mb(by_op["all-gather"]),
+            "reduce_scatter_MB": mb(by_op["reduce-scatter"]),
+            "other_MB": mb(by_op["all-to-all"] + by_op["collective-permute"]),
+            "cross_host_MB_per_host": mb(max(per_host)),
+            "collective_MB_per_device": mb(sum(c.count * c.result_bytes for c in found))}
+
+
+def main():
+    rows = [measure(*layout) for layout in LAYOUTS]
+    print_table(rows, ["class_axes", "mesh", "fc_rows_per_device", "collectives", "all_reduce_MB", "all_gather_MB",
+                       "reduce_scatter_MB", "other_MB", "cross_host_MB_per_host", "collective_MB_per_device"])
+    write_json(ARGS.out, rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""One run over several processes (one per host) on JAX's multi-controller runtime: the launch flags.
+
+``--distributed`` calls ``jax.distributed.initialize``. With no address given it detects SLURM or Open MPI;
+any other launcher passes ``--coordinator_address host:port``, ``--num_processes`` and ``--process_id`` (or the
+environment variables ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``). CPU collectives
+between processes use gloo. A process that stops sending heartbeats for ``--heartbeat_timeout`` seconds is
+declared dead and every other process exits with an error naming it, instead of waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import jax
+from absl import flags
+from jax.experimental import multihost_utils
+
+ENVIRONMENT = {"coordinator_address": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
+               "process_id": "JAX_PROCESS_ID"}
+DEFAULT_HEARTBEAT_TIMEOUT = 60
+
+
+def define_flags() -> None:
+    flags.DEFINE_bool("distributed", False, "one process per host: initialize jax.distributed (SLURM / Open MPI "
+                      "detected, else the three flags below or their JAX_* environment variables)")
+    flags.DEFINE_string("coordinator_address", None, "host:port of process 0's coordination service "
+                        "(default $JAX_COORDINATOR_ADDRESS)")
+    flags.DEFINE_integer("num_processes", None, "number of processes (default $JAX_NUM_PROCESSES)")
+    flags.DEFINE_integer("process_id", None, "this process's index, 0 … num_processes−1 (default $JAX_PROCESS_ID)")
+    flags.DEFINE_integer("heartbeat_timeout", DEFAULT_HEARTBEAT_TIMEOUT,
+                         "seconds without a heartbeat after which a process counts as dead and the run stops")
+
+
+def launch_settings(coordinator_address=None, num_processes=None, process_id=None, environ=os.environ) -> dict:
+    """The explicit settings, each from its argument or else its environment variable; ``{}`` means auto-detect."""
+    given = {"coordinator_address": coordinator_address, "num_processes": num_processes, "process_id": process_id}
+    settings = {k: v if v is not None else environ.get(ENVIRONMENT[k]) for k, v in given.items()}
+    settings = {k: v for k, v in settings.items() if v is not None}
+    if settings and len(settings) < 3:
+        missing = [f"--{k} (or ${ENVIRONMENT[k]})" for k in given if k not in settings]
+        raise ValueError(f"a launch without SLURM or Open MPI needs all three settings; missing {', '.join(missing)}")
+    for key in ("num_processes", "process_id"):
+        if key in settings:
+            settings[key] = int(settings[key])
+    if settings and not 0 <= settings["process_id"] < settings["num_processes"]:
+        raise ValueError(f"process_id {settings['process_id']} is not in 0 … {settings['num_processes'] - 1}")
+    return settings
+
+
+def initialize(coordinator_address=None, num_processes=None, process_id=None,
+               heartbeat_timeout: int = DEFAULT_HEARTBEAT_TIMEOUT) -> None:
+    """``jax.distributed.initialize`` with explicit or detected settings, gloo CPU collectives and the timeout."""
+    settings = launch_settings(coordinator_address, num_processes, process_id)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    accepted = inspect.signature(jax.distributed.initialize).parameters
+    timeouts = {"heartbeat_timeout_seconds": heartbeat_timeout, "shutdown_timeout_seconds": heartbeat_timeout}
+    jax.distributed.initialize(**settings, **{k: v for k, v in timeouts.items() if k in accepted})
+
+
+def initialize_from_flags() -> None:
+    """Initialize when ``--distributed`` is given (the CLIs call this before touching any device)."""
+    f = flags.FLAGS
+    if f.distributed:
+        initialize(f.coordinator_address, f.num_processes, f.process_id, f.heartbeat_timeout)
+    elif f.coordinator_address or f.num_processes or f.process_id is not None:
+        raise ValueError("--coordinator_address / --num_processes / --process_id need --distributed")
+
+
+def barrier(name: str, timeout: int = 1800) -> None:
+    """Return once every process has reached the barrier ``name`` (used once per run; nothing to wait for with
+    one process).
+
+    It waits on the coordination service, not in a device collective: gloo gives up on a peer after 30 s,
+    which a process still compiling the step (slower than its peers on a loaded machine) can exceed.
+    """
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed as runtime  # the coordination service client; no public handle to it
+
+    client = getattr(runtime.global_state, "client", None)
+    if client is None or not hasattr(client, "wait_at_barrier"):
+        multihost_utils.sync_global_devices(name)
+    else:
+        client.wait_at_barrier(name, timeout_in_ms=timeout * 1000)

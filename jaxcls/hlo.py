@@ -1,0 +1,152 @@
+"""What a compiled program communicates: its collectives read from the HLO text, and the bytes that cross hosts.
+
+``collectives(compiled.as_text())`` lists every all-reduce, all-gather, reduce-scatter, all-to-all and
+collective-permute with its per-device result bytes, its device groups (logical device ids: position ``i``
+in the program's device assignment, ``mesh.devices.flat[i]`` for a jit over ``mesh``) and how many times one
+run of the program executes it (inside while loops of known trip count: the product of the counts).
+``cross_host_bytes`` prices one execution against a host assignment.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "reduce-scatter", "collective-permute")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
+          "s64": 8, "u64": 8, "f64": 8}
+_SHAPE = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([0-9,]*)\]")
+_OP = re.compile(r"=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+_EXPLICIT_GROUPS = re.compile(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}")
+_IOTA_GROUPS = re.compile(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{[0-9,]*\},?)*)\}")
+
+
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_CALLED = re.compile(r"\b(body|condition|to_apply|calls|branch_computations|true_computation|false_computation)="
+                     r"(\{[^}]*\}|%?[\w.\-]+)")
+_TRIP_COUNT = re.compile(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+
+
+class Collective(NamedTuple):
+    """One collective instruction: ``op``, elements of its largest result array, bytes of its results (per
+    device), its device groups (``()``: every device is one group), for collective-permute its pairs, and
+    ``count``, the times one run executes it."""
+
+    op: str
+    largest: int
+    result_bytes: int
+    groups: tuple[tuple[int, ...], ...]
+    pairs: tuple[tuple[int, int], ...] = ()
+    count: int = 1
+
+
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
+    """``({name: instruction lines}, entry name)``."""
+    bodies, entry, current = {}, None, None
+    for line in hlo_text.splitlines():
+        if current is None:
+            if (match := _COMPUTATION.match(line)) and not line.startswith("HloModule"):
+                current = match.group(1)
+                bodies[current] = []
+                entry = current if line.startswith("ENTRY") else entry
+        elif line.strip() == "}":
+            current = None
+        else:
+            bodies[current].append(line)
+    return bodies, entry
+
+
+def _executions(bodies: dict[str, list[str]], entry: str | None) -> dict[str, int]:
+    """Times one run executes each computation: a while body or condition its trip count times per execution
+    of the instruction (once when the count is unknown), every other called computation once."""
+    counts = dict.fromkeys(bodies, 0)
+    if entry is None:
+        return dict.fromkeys(bodies, 1)
+
+    def visit(name: str, times: int) -> None:
+        counts[name] += times
+        for line in bodies.get(name, ()):
+            trip = _TRIP_COUNT.search(line)
+            for kind, called in _CALLED.findall(line):
+                repeat = int(trip.group(1)) if trip and kind in ("body", "condition") else 1
+                for callee in re.findall(r"[\w.\-]+", called):
+                    if callee in bodies and callee != name:
+                        visit(callee, times * repeat)
+
+    visit(entry, 1)
+    return counts
+
+
+def _int_lists(text: str) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(int(v) for v in group.split(",") if v) for group in re.findall(r"\{([0-9,]*)\}", text))
+
+
+def _groups(line: str) -> tuple[tuple[int, ...], ...]:
+    if match := _IOTA_GROUPS.search(line):  # [G,S]<=[dims]T(perm): iota(dims), transposed, reshaped to G × S
+        shape, dims = [int(v) for v in match.group(1).split(",")], [int(v) for v in match.group(2).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if match.group(3):
+            ids = ids.transpose([int(v) for v in match.group(3).split(",")])
+        return tuple(tuple(int(i) for i in row) for row in ids.reshape(shape))
+    if match := _EXPLICIT_GROUPS.search(line):
+        return tuple(g for g in _int_lists(match.group(1)) if g)
+    return ()
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+    """Every collective instruction of a compiled program's HLO text, in program order."""
+    bodies, entry = _computations(hlo_text)
+    executions = _executions(bodies, entry)
+    found = []
+    for name, lines in bodies.items() if bodies else [(None, hlo_text.splitlines())]:
+        for line in lines:
+            match = _OP.search(line)
+            if not match:
+                continue
+            shapes = [(dtype, math.prod(int(d) for d in dims.split(",") if d)) for dtype, dims in
+                      _SHAPE.findall(match.group(1))]
+            pairs = _PAIRS.search(line)
+            found.append(Collective(op=match.group(2), largest=max((n for _, n in shapes), default=1),
+                                    result_bytes=sum(n * _BYTES[dtype] for dtype, n in shapes), groups=_groups(line),
+                                    pairs=_int_lists(pairs.group(1)) if pairs else (),
+                                    count=executions.get(name, 1)))
+    return found
+
+
+def cross_host_bytes(c: Collective, hosts: Sequence[int]) -> list[int]:
+    """Bytes each host receives from other hosts for ``c``, ``hosts[i]`` being the host of logical device ``i``.
+
+    The model is a host-aware (hierarchical) algorithm, the least any implementation must move: data is
+    combined within a host before it crosses, and a host receives each remote byte it needs once. With
+    ``k`` devices in a group on ``H`` hosts, ``g`` of them on this host, and ``N`` the bytes per device:
+    all-gather ``(k − g)·N/k``; reduce-scatter (``N`` the input, ``k·result``) ``g·(H − 1)·N/k``;
+    all-reduce both; all-to-all ``g·(k − g)·N/k``; collective-permute the bytes of every pair that arrives
+    from another host. A flat ring over all devices (NCCL's default) moves up to ``≈ 2N`` per host for
+    an all-reduce instead of ``2N·(H − 1)/H``.
+    """
+    received = [0] * (max(hosts) + 1)
+    if c.op == "collective-permute":
+        for source, target in c.pairs:
+            if hosts[source] != hosts[target]:
+                received[hosts[target]] += c.result_bytes
+        return received
+    for group in c.groups or (tuple(range(len(hosts))),):
+        k, members = len(group), [hosts[d] for d in group]
+        spanned = len(set(members))
+        n = c.result_bytes * k if c.op == "reduce-scatter" else c.result_bytes  # N of the docstring
+        for host in set(members):
+            g = members.count(host)
+            if c.op == "all-gather":
+                received[host] += (k - g) * n // k
+            elif c.op == "reduce-scatter":
+                received[host] += g * (spanned - 1) * n // k
+            elif c.op == "all-reduce":
+                received[host] += g * (spanned - 1) * n // k + (k - g) * n // k
+            else:  # all-to-all
+                received[host] += g * (k - g) * n // k
+    return received

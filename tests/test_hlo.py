@@ -1,0 +1,89 @@
+"""Collectives read from HLO text (both replica-group syntaxes), and the bytes they move between hosts."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxcls import make_mesh
+from jaxcls.hlo import Collective, collectives, cross_host_bytes
+
+HLO = """
+  %ag = f32[64,32]{1,0} all-gather(f32[16,32]{1,0} %x), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}
+  %ar = (f32[10]{0}, bf16[6]{0}) all-reduce(f32[10]{0} %a, bf16[6]{0} %b), channel_id=2, replica_groups=[2,4]<=[4,2]T(1,0), use_global_device_ids=true
+  %rs = f32[8]{0} reduce-scatter(f32[64]{0} %c), channel_id=3, replica_groups={}, dimensions={0}
+  %cp = s32[5]{0} collective-permute(s32[5]{0} %d), channel_id=4, source_target_pairs={{0,4},{4,0},{1,2}}
+  %add = f32[8]{0} add(f32[8]{0} %e, f32[8]{0} %f)
+"""
+
+
+def test_parses_ops_sizes_and_both_group_syntaxes():
+    ag, ar, rs, cp = collectives(HLO)
+    assert ag == Collective("all-gather", 64 * 32, 64 * 32 * 4, ((0, 1, 2, 3), (4, 5, 6, 7)))
+    # iota(4, 2) transposed to (2, 4): [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert ar == Collective("all-reduce", 10, 10 * 4 + 6 * 2, ((0, 2, 4, 6), (1, 3, 5, 7)))
+    assert rs.op == "reduce-scatter" and rs.groups == () and rs.result_bytes == 32
+    assert cp.pairs == ((0, 4), (4, 0), (1, 2)) and cp.result_bytes == 20
+
+
+def brute_force(c: Collective, hosts):
+    """Per host, bytes it must receive: every remote contribution it needs, counted once per host and source host."""
+    received = [0] * (max(hosts) + 1)
+    for group in c.groups or (tuple(range(len(hosts))),):
+        k = len(group)
+        n = c.result_bytes * k if c.op == "reduce-scatter" else c.result_bytes
+        for host in {hosts[d] for d in group}:
+            mine = [d for d in group if hosts[d] == host]
+            remote_devices = [d for d in group if hosts[d] != host]
+            remote_hosts = {hosts[d] for d in remote_devices}
+            gather = len(remote_devices) * n // k  # every remote device's chunk
+            scatter = len(mine) * len(remote_hosts) * n // k  # my chunks' partial sums, one per remote host
+            received[host] += {"all-gather": gather, "reduce-scatter": scatter, "all-reduce": gather + scatter,
+                               "all-to-all": len(mine) * len(remote_devices) * n // k}[c.op]
+    return received
+
+
+@pytest.mark.parametrize("op", ["all-gather", "all-reduce", "reduce-scatter", "all-to-all"])
+def test_cross_host_bytes_agree_with_counting_chunks(op, rng):
+    devices = 8 * int(rng.integers(1, 3))
+    hosts = sorted(rng.integers(0, 3, size=devices).tolist())  # contiguous hosts of random sizes
+    ids = rng.permutation(devices)
+    size = int(rng.integers(1, 4)) * devices * 4
+    c = Collective(op, size, size, (tuple(ids[: devices // 2]), tuple(ids[devices // 2:])))
+    assert cross_host_bytes(c, hosts) == brute_force(c, hosts)
+
+
+def test_one_host_moves_nothing_between_hosts_and_permutes_count_remote_pairs():
+    ag, ar, rs, cp = collectives(HLO)
+    for c in (ag, ar, rs, cp):
+        assert cross_host_bytes(c, [0] * 8) == [0]
+    assert cross_host_bytes(cp, [0, 0, 0, 0, 1, 1, 1, 1]) == [20, 20]
+    # all-gather of 2048 B shards in two groups of 4: each group within a host moves nothing; each group split
+    # 2 + 2 over two hosts brings each host the other host's 2 shards, per group
+    assert cross_host_bytes(ag, [0, 0, 0, 0, 1, 1, 1, 1]) == [0, 0]
+    assert cross_host_bytes(ag, [0, 0, 1, 1, 0, 0, 1, 1]) == [2 * 2 * 2048, 2 * 2 * 2048]
+
+
+def test_reads_a_compiled_psum_over_one_mesh_axis():
+    mesh = make_mesh(2, 4)
+    f = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "class"), mesh=mesh, in_specs=P("data", "class"),
+                              out_specs=P("data", None)))
+    x = jax.ShapeDtypeStruct((2, 4 * 6), jnp.float32, sharding=NamedSharding(mesh, P("data", "class")))
+    (found,) = [c for c in collectives(f.lower(x).compile().as_text()) if c.op == "all-reduce"]
+    positions = {d.id: i for i, d in enumerate(mesh.devices.flat)}
+    rows = [tuple(sorted(positions[d.id] for d in row)) for row in mesh.devices]
+    assert sorted(tuple(sorted(g)) for g in found.groups) == sorted(rows) and found.result_bytes == 6 * 4
+    assert np.sum(cross_host_bytes(found, [0, 0, 0, 0, 1, 1, 1, 1])) == 0  # each group lives on one host
+
+
+def test_counts_the_executions_of_a_collective_inside_a_loop():
+    mesh = make_mesh(2, 4)
+
+    def body(x):
+        return jax.lax.fori_loop(0, 5, lambda i, y: y + jax.lax.psum(jnp.sin(y), "class") * i, x)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data", "class"), out_specs=P("data", "class")))
+    x = jax.ShapeDtypeStruct((2, 4 * 6), jnp.float32, sharding=NamedSharding(mesh, P("data", "class")))
+    found = [c for c in collectives(f.lower(x).compile().as_text()) if c.op == "all-reduce"]
+    assert sum(c.count for c in found) == 5, found

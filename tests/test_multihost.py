@@ -1,0 +1,159 @@
+"""Several processes as one run on JAX's multi-controller runtime: CPU, gloo, 127.0.0.1, 4 devices per process.
+
+Every process is a subprocess with ``--xla_force_host_platform_device_count=8/P`` so that 1 × 8 and 2 × 4
+have the same 8 devices and mesh; every wait is bounded.
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import COMPILATION_CACHE
+from jaxcls.checkpoint import RunCheckpoints
+from jaxcls.mesh import make_mesh
+from jaxcls.sparse_fc import SparseState
+from multihost_worker import LAYOUTS, MESH, fc_problem
+from test_fc import check_step_against_reference
+from test_sharded import check_against_reference
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+HEARTBEAT = 10  # seconds: the dead-peer bound these tests run with
+# 12 steps of the tiny config on a (data=2, class=4) mesh, the FC split over `class` only (replicated over the
+# data axis, which spans the processes), PartialFC; an eval and a checkpoint at step 6 and at the end
+TRAIN = ["jaxcls.train", "--config", "tests/tiny.py", "--config.total_steps=12", "--config.mesh_data=2",
+         "--config.class_axes=class", "--config.sample_rate=0.5", "--config.eval_every=6", "--config.ckpt_every=6"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(num_processes: int, args: list[str], logs: Path, module: bool = True) -> list[subprocess.Popen]:
+    """Start ``python -m <args>`` (or ``python <args>``) as ``num_processes`` processes of one run."""
+    port, procs = free_port(), []
+    logs.mkdir(parents=True, exist_ok=True)
+    for i in range(num_processes):
+        env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=COMPILATION_CACHE, JAX_PLATFORMS="cpu",
+                   XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // num_processes}")
+        launch_flags = ["--distributed", f"--coordinator_address=127.0.0.1:{port}",
+                        f"--num_processes={num_processes}", f"--process_id={i}", f"--heartbeat_timeout={HEARTBEAT}"]
+        if not module:  # the worker script takes the launch settings as positional arguments
+            command = [sys.executable, *args[:1], f"127.0.0.1:{port}", str(num_processes), str(i), *args[1:]]
+        else:
+            command = [sys.executable, "-m", *args, *(launch_flags if num_processes > 1 else [])]
+        with open(logs / f"process{i}.log", "w") as log:
+            procs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+    return procs
+
+
+def finish(procs: list[subprocess.Popen], logs: Path, timeout: float = 300) -> list[str]:
+    """Wait (bounded) for every process to exit 0; their logs."""
+    deadline = time.monotonic() + timeout
+    try:
+        codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    texts = [(logs / f"process{i}.log").read_text() for i in range(len(procs))]
+    assert codes == [0] * len(procs), "\n\n".join(t[-3000:] for t in texts)
+    return texts
+
+
+def start(num_processes: int, workdir: Path, *flags: str, name: str = ""):
+    """Start the trainer on ``workdir``; ``finish(*start(...))`` waits for it."""
+    logs = workdir.parent / f"logs-{workdir.name}{name}"
+    return launch(num_processes, [*TRAIN, f"--workdir={workdir}", *flags], logs), logs
+
+
+def train(num_processes: int, workdir: Path, *flags: str, name: str = "") -> list[str]:
+    return finish(*start(num_processes, workdir, *flags, name=name))
+
+
+def metrics(workdir: Path) -> list[dict]:
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def check_same_run(rows: list[dict], reference: list[dict]) -> None:
+    """Equal steps, losses to float tolerance (collectives may sum in another order), equal eval accuracy."""
+    assert [r["step"] for r in rows] == [r["step"] for r in reference]
+    np.testing.assert_allclose([r["loss"] for r in rows], [r["loss"] for r in reference], rtol=2e-5)
+    evals = [(r["step"], r["val/heldout/accuracy"]) for r in rows if "val/heldout/accuracy" in r]
+    assert evals == [(r["step"], r["val/heldout/accuracy"]) for r in reference if "val/heldout/accuracy" in r]
+    assert len(evals) >= 1
+
+
+def test_two_processes_train_evaluate_and_resume_exactly_as_one(tmp_path):
+    one, two, back = tmp_path / "one", tmp_path / "two", tmp_path / "back"
+    # 1 × 8 for 12 steps, and at the same time 2 × 4 for the first 6 (evaluated and checkpointed at step 6)
+    reference_run, two_run = start(1, one), start(2, two, "--stop_after=6")
+    finish(*reference_run)
+    reference = metrics(one)
+    assert len(reference) == 12 and sum("val/heldout/accuracy" in r for r in reference) == 2
+    texts = finish(*two_run)
+    assert "[process 1] INFO mesh data=2 × class=4 (cpu, 2 process(es))" in texts[1]
+    assert "[process 1] INFO done: loss" in texts[1] and "done: loss" in texts[0]
+    check_same_run(metrics(two), reference[:6])
+    texts = train(1, two, name="-resumed")  # the 2 × 4 checkpoint continued on 1 × 8
+    assert f"resumed from step 6 in {two}" in texts[0]
+    check_same_run(metrics(two), reference)
+
+    # 1 × 8's checkpoint of step 6 resumed on 2 × 4
+    shutil.copytree(one / "checkpoints" / "6", back / "checkpoints" / "6")
+    shutil.copy(one / "config.json", back / "config.json")
+    texts = train(2, back)
+    assert f"resumed from step 6 in {back}" in texts[1]
+    check_same_run(metrics(back), reference[6:])
+
+
+def test_a_killed_process_stops_the_others_within_the_heartbeat_timeout_and_the_run_resumes(tmp_path):
+    workdir, logs = tmp_path / "run", tmp_path / "logs"
+    procs = launch(2, [*TRAIN, f"--workdir={workdir}"], logs)
+    deadline = time.monotonic() + 300
+    try:  # wait until step 7 has been logged and the checkpoint of step 6 is complete (orbax renames it then)
+        while not ((workdir / "checkpoints" / "6").exists() and len(metrics(workdir)) >= 7):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+                (logs / "process0.log").read_text()[-3000:]
+            time.sleep(0.2)
+        procs[1].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        code = procs[0].wait(timeout=HEARTBEAT + 60)
+        elapsed = time.monotonic() - killed
+    finally:
+        for p in procs:
+            p.kill()
+    text = (logs / "process0.log").read_text()
+    assert code != 0 and elapsed < HEARTBEAT + 60, (code, elapsed)
+    assert "Task 1 heartbeat timeout" in text or "tasks are unhealthy" in text, text[-3000:]
+
+    assert RunCheckpoints(workdir / "checkpoints", 3).latest_step() == 6
+    texts = train(2, workdir, name="-restarted")
+    assert f"resumed from step 6 in {workdir}" in texts[0]
+    assert [r["step"] for r in metrics(workdir)] == list(range(1, 13))
+
+
+def test_sharded_loss_and_fused_fc_step_on_two_processes_equal_the_float64_reference(tmp_path, rng):
+    seed, out = int(rng.integers(2**31)), tmp_path / "results.npz"
+    logs = tmp_path / "logs"
+    finish(launch(2, ["tests/multihost_worker.py", str(seed), str(out)], logs, module=False), logs, timeout=240)
+    results = np.load(out)
+    mesh = make_mesh(*MESH)  # the same layout on this process's 8 devices, for the head's bookkeeping
+    for name, class_axes in LAYOUTS.items():
+        head, x = fc_problem(seed, mesh, class_axes)
+        r = {k.split("/")[1]: v for k, v in results.items() if k.startswith(name + "/")}
+        check_against_reference(x["emb"], x["weight"], x["labels"], head.num_classes, head.margin,
+                                (r["loss"], (r["g_emb"], r["g_w"])), tol=1e-5)
+        inputs = (x["weight"], SparseState((x["slot"],), x["count"]), x["emb"], x["labels"], r["rows"], x["lr"])
+        result = (r["step_loss"], r["d_emb"], r["new_w"], SparseState((r["new_slot"],), r["new_count"]))
+        check_step_against_reference(head, "sgd", inputs, result)
