@@ -45,8 +45,10 @@ def launch(num_processes: int, args: list[str], logs: Path, module: bool = True)
     port, procs = free_port(), []
     logs.mkdir(parents=True, exist_ok=True)
     for i in range(num_processes):
+        # no LLVM optimization: every process compiles its programs, and these tiny ones run a few steps
         env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=COMPILATION_CACHE, JAX_PLATFORMS="cpu",
-                   XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // num_processes}")
+                   XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // num_processes} "
+                             "--xla_backend_optimization_level=0")
         launch_flags = ["--distributed", f"--coordinator_address=127.0.0.1:{port}",
                         f"--num_processes={num_processes}", f"--process_id={i}", f"--heartbeat_timeout={HEARTBEAT}"]
         if not module:  # the worker script takes the launch settings as positional arguments
@@ -88,40 +90,18 @@ def metrics(workdir: Path) -> list[dict]:
 def check_same_run(rows: list[dict], reference: list[dict]) -> None:
     """Equal steps, losses to float tolerance (collectives may sum in another order), equal eval accuracy."""
     assert [r["step"] for r in rows] == [r["step"] for r in reference]
-    np.testing.assert_allclose([r["loss"] for r in rows], [r["loss"] for r in reference], rtol=2e-5)
+    # 1.4e-5 seen at step 11: gloo sums in another order, and training amplifies it; a wrong batch differs by ~1e-1
+    np.testing.assert_allclose([r["loss"] for r in rows], [r["loss"] for r in reference], rtol=1e-4)
     evals = [(r["step"], r["val/heldout/accuracy"]) for r in rows if "val/heldout/accuracy" in r]
     assert evals == [(r["step"], r["val/heldout/accuracy"]) for r in reference if "val/heldout/accuracy" in r]
     assert len(evals) >= 1
 
 
-def test_two_processes_train_evaluate_and_resume_exactly_as_one(tmp_path):
-    one, two, back = tmp_path / "one", tmp_path / "two", tmp_path / "back"
-    # 1 × 8 for 12 steps, and at the same time 2 × 4 for the first 6 (evaluated and checkpointed at step 6)
-    reference_run, two_run = start(1, one), start(2, two, "--stop_after=6")
-    finish(*reference_run)
-    reference = metrics(one)
-    assert len(reference) == 12 and sum("val/heldout/accuracy" in r for r in reference) == 2
-    texts = finish(*two_run)
-    assert "[process 1] INFO mesh data=2 × class=4 (cpu, 2 process(es))" in texts[1]
-    assert "[process 1] INFO done: loss" in texts[1] and "done: loss" in texts[0]
-    check_same_run(metrics(two), reference[:6])
-    texts = train(1, two, name="-resumed")  # the 2 × 4 checkpoint continued on 1 × 8
-    assert f"resumed from step 6 in {two}" in texts[0]
-    check_same_run(metrics(two), reference)
-
-    # 1 × 8's checkpoint of step 6 resumed on 2 × 4
-    shutil.copytree(one / "checkpoints" / "6", back / "checkpoints" / "6")
-    shutil.copy(one / "config.json", back / "config.json")
-    texts = train(2, back)
-    assert f"resumed from step 6 in {back}" in texts[1]
-    check_same_run(metrics(back), reference[6:])
-
-
-def test_a_killed_process_stops_the_others_within_the_heartbeat_timeout_and_the_run_resumes(tmp_path):
-    workdir, logs = tmp_path / "run", tmp_path / "logs"
-    procs = launch(2, [*TRAIN, f"--workdir={workdir}"], logs)
+def kill_after_step_7(procs: list[subprocess.Popen], workdir: Path, logs: Path) -> tuple[int, float]:
+    """Once step 7 is logged and step 6's checkpoint is complete, ``kill -9`` process 1; process 0's exit code and
+    the seconds it took to exit."""
     deadline = time.monotonic() + 300
-    try:  # wait until step 7 has been logged and the checkpoint of step 6 is complete (orbax renames it then)
+    try:  # orbax renames a checkpoint to its step once it is complete
         while not ((workdir / "checkpoints" / "6").exists() and len(metrics(workdir)) >= 7):
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
                 (logs / "process0.log").read_text()[-3000:]
@@ -129,18 +109,38 @@ def test_a_killed_process_stops_the_others_within_the_heartbeat_timeout_and_the_
         procs[1].send_signal(signal.SIGKILL)
         killed = time.monotonic()
         code = procs[0].wait(timeout=HEARTBEAT + 60)
-        elapsed = time.monotonic() - killed
+        return code, time.monotonic() - killed
     finally:
         for p in procs:
             p.kill()
-    text = (logs / "process0.log").read_text()
-    assert code != 0 and elapsed < HEARTBEAT + 60, (code, elapsed)
-    assert "Task 1 heartbeat timeout" in text or "tasks are unhealthy" in text, text[-3000:]
 
-    assert RunCheckpoints(workdir / "checkpoints", 3).latest_step() == 6
-    texts = train(2, workdir, name="-restarted")
-    assert f"resumed from step 6 in {workdir}" in texts[0]
-    assert [r["step"] for r in metrics(workdir)] == list(range(1, 13))
+
+def test_two_processes_train_as_one_stop_on_a_dead_peer_and_resume_on_any_process_count(tmp_path):
+    one, two, back = tmp_path / "one", tmp_path / "two", tmp_path / "back"
+    # 1 × 8 for 12 steps and, at the same time, 2 × 4 until process 1 is killed after step 7
+    reference_run, (procs, logs) = start(1, one), start(2, two)
+    code, seconds = kill_after_step_7(procs, two, logs)
+    text = (logs / "process0.log").read_text()
+    assert code != 0 and seconds < HEARTBEAT + 60, (code, seconds)
+    assert "Task 1 heartbeat timeout" in text or "tasks are unhealthy" in text, text[-3000:]
+    assert "[process 1] INFO mesh data=2 × class=4 (cpu, 2 process(es))" in (logs / "process1.log").read_text()
+    finish(*reference_run)
+    reference = metrics(one)
+    assert len(reference) == 12 and sum("val/heldout/accuracy" in r for r in reference) == 2
+    check_same_run(metrics(two)[:6], reference[:6])  # equal losses and step-6 evaluation on 2 × 4
+
+    # the run restarted on 1 × 8 resumes from the last complete checkpoint (step 6) and ends as the reference
+    assert RunCheckpoints(two / "checkpoints", 3).latest_step() == 6
+    texts = train(1, two, name="-resumed")
+    assert f"resumed from step 6 in {two}" in texts[0]
+    check_same_run(metrics(two), reference)  # step 7, logged before the kill, is logged once
+
+    # 1 × 8's checkpoint of step 6 resumed on 2 × 4
+    shutil.copytree(one / "checkpoints" / "6", back / "checkpoints" / "6")
+    shutil.copy(one / "config.json", back / "config.json")
+    texts = train(2, back)
+    assert f"resumed from step 6 in {back}" in texts[1] and "[process 1] INFO done: loss" in texts[1]
+    check_same_run(metrics(back), reference[6:])
 
 
 def test_sharded_loss_and_fused_fc_step_on_two_processes_equal_the_float64_reference(tmp_path, rng):
