@@ -52,7 +52,8 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None,
                heartbeat_timeout: int = DEFAULT_HEARTBEAT_TIMEOUT) -> None:
     """``jax.distributed.initialize`` with explicit or detected settings, gloo CPU collectives and the timeout."""
     settings = launch_settings(coordinator_address, num_processes, process_id)
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if "jax_cpu_collectives_implementation" in jax.config.values:  # gloo is the default since jax 0.5.1
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
     accepted = inspect.signature(jax.distributed.initialize).parameters
     timeouts = {"heartbeat_timeout_seconds": heartbeat_timeout, "shutdown_timeout_seconds": heartbeat_timeout}
     jax.distributed.initialize(**settings, **{k: v for k, v in timeouts.items() if k in accepted})

@@ -142,6 +142,13 @@ def test_two_processes_train_as_one_stop_on_a_dead_peer_and_resume_on_any_proces
     assert f"resumed from step 6 in {back}" in texts[1] and "[process 1] INFO done: loss" in texts[1]
     check_same_run(metrics(back), reference[6:])
 
+    # the evaluation CLI on 2 × 4: process 0 reports the accuracy the run logged at its last step
+    logs = tmp_path / "logs-eval"
+    texts = finish(launch(2, ["jaxcls.eval", f"--workdir={back}"], logs), logs)
+    assert "step 12" in texts[0] and "step 12" not in texts[1]
+    result = json.loads((back / "eval_12.json").read_text())
+    assert result["val/heldout/accuracy"] == reference[-1]["val/heldout/accuracy"]
+
 
 def test_sharded_loss_and_fused_fc_step_on_two_processes_equal_the_float64_reference(tmp_path, rng):
     seed, out = int(rng.integers(2**31)), tmp_path / "results.npz"

@@ -60,7 +60,8 @@ def report(step: int, results: dict, out: Path) -> None:
     print(f"{'set':<16} {'accuracy':>10} {'std':>8} {'threshold':>10} {'xnorm':>8}")
     for n in names:
         r = {k.split("/")[2]: v for k, v in results.items() if k.split("/")[1] == n}
-        print(f"{n:<16} {r['accuracy']:>10.4f} {r['accuracy_std']:>8.4f} {r['best_threshold']:>10.3f} {r['xnorm']:>8.2f}")
+        print(f"{n:<16} {r['accuracy']:>10.4f} {r['accuracy_std']:>8.4f} {r['best_threshold']:>10.3f} "
+              f"{r['xnorm']:>8.2f}")
     out.write_text(json.dumps({"step": step, **results}, indent=1))
     print(f"wrote {out}")
 
