@@ -61,7 +61,9 @@ def test_expected_counts_follow_from_the_architectures():
         EXPECTED["vit_t"], EXPECTED["vit_s"], EXPECTED["vit_b"])
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+# the two largest graphs take ~15 s to trace: slow lane
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in ("vit_b", "r200") else [])
+                                  for n in sorted(MODELS)])
 def test_parameter_count_and_output_shape(name):
     model = nnx.eval_shape(lambda: get_model(name))
     assert count_params(model) == EXPECTED[name]
