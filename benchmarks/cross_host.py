@@ -30,11 +30,10 @@ PER_HOST = ARGS.per_host or (4 if ARGS.small else 8)
 force_cpu_devices(HOSTS * PER_HOST)
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
 from jaxcls.config import base_config  # noqa: E402
 from jaxcls.hlo import collectives, cross_host_bytes  # noqa: E402
-from jaxcls.mesh import batch_sharding, class_shards  # noqa: E402
+from jaxcls.mesh import class_shards  # noqa: E402
 from jaxcls.models import one_off_compile_options  # noqa: E402
 from jaxcls.run import build  # noqa: E402
 
@@ -59,10 +58,7 @@ def step_config(class_axes: str, mesh_data: int):
 def measure(class_axes: str, mesh_data: int) -> dict:
     config = step_config(class_axes, mesh_data)
     run = build(config, jax.devices()[:HOSTS * PER_HOST])
-    s = config.data.input_size
-    images = jax.ShapeDtypeStruct((config.batch_size, s, s, 3), jnp.uint8, sharding=batch_sharding(run.mesh))
-    labels = jax.ShapeDtypeStruct((config.batch_size,), jnp.int32, sharding=batch_sharding(run.mesh))
-    compiled = run.jit_step().lower(run.abstract_state, images, labels).compile(one_off_compile_options("cpu"))
+    compiled = run.compile_step(run.abstract_state, one_off_compile_options("cpu"))
     hosts = [d.id // PER_HOST for d in run.mesh.devices.flat]
     by_op, per_host = collections.Counter(), [0] * HOSTS
     found = collectives(compiled.as_text())

@@ -69,8 +69,8 @@ def initialize_from_flags() -> None:
 
 
 def barrier(name: str, timeout: int = 1800) -> None:
-    """Return once every process has reached the barrier ``name`` (used once per run; nothing to wait for with
-    one process).
+    """Return once every process has reached the barrier ``name`` (each name once per run; nothing to wait for
+    with one process).
 
     It waits on the coordination service, not in a device collective: gloo gives up on a peer after 30 s,
     which a process still compiling the step (slower than its peers on a loaded machine) can exceed.

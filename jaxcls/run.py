@@ -13,6 +13,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -21,7 +22,8 @@ from jaxcls.data.pipeline import HostBatches
 from jaxcls.data.sources import SOURCES, make_source
 from jaxcls.fc import FCHead
 from jaxcls.losses.margins import MARGINS, CombinedMargin
-from jaxcls.mesh import CLASS_AXES, class_shards, host_rows, make_mesh, replicated, weight_sharding
+from jaxcls.mesh import (CLASS_AXES, batch_sharding, class_shards, host_rows, make_mesh, replicated,
+                         weight_sharding)
 from jaxcls.models import get_model, one_off_compile_options
 from jaxcls.optimizers import lr_schedule, make_optimizers
 from jaxcls.precision import DynamicLossScale, compute_dtype
@@ -57,6 +59,15 @@ class Run:
         """``step(state, images, labels) -> (state, metrics)``, jitted with the state donated."""
         return jax.jit(self.trainer.train_step, donate_argnums=0,
                        out_shardings=(self.state_shardings, replicated(self.mesh)))
+
+    def compile_step(self, state, compiler_options: dict | None = None):
+        """``jit_step`` compiled ahead of time for ``state`` (as initialized, restored or abstract) and one global
+        batch of uint8 images ``[B, S, S, 3]`` and int32 labels ``[B]`` in the batch sharding."""
+        c, sharding = self.config, batch_sharding(self.mesh)
+        images = jax.ShapeDtypeStruct((c.batch_size, c.data.input_size, c.data.input_size, 3), jnp.uint8,
+                                      sharding=sharding)
+        labels = jax.ShapeDtypeStruct((c.batch_size,), jnp.int32, sharding=sharding)
+        return self.jit_step().lower(state, images, labels).compile(compiler_options)
 
     def batches(self) -> HostBatches:
         """The checkpointable iterator of this host's rows of every global training batch."""

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 from absl import app, flags
 from ml_collections import config_flags
 
@@ -54,7 +53,7 @@ def train(config, workdir: str | os.PathLike, devices=None, progress: bool = Tru
     start = int(state["step"])
     for line in run.summary() + ([f"resumed from step {start} in {workdir}"] if resuming else [f"workdir {workdir}"]):
         log.info(line)
-    step_fn, evaluate = compile_step(run, state), Evaluator(run)
+    step_fn, evaluate = run.compile_step(state), Evaluator(run)  # compiled before the barrier
     distributed.barrier("train step compiled")  # every process starts stepping together
     writer, sharding = MetricsWriter(workdir, resumed_step=start), batch_sharding(run.mesh)
     end = config.total_steps if stop_after is None else min(stop_after, config.total_steps)
@@ -78,15 +77,6 @@ def train(config, workdir: str | os.PathLike, devices=None, progress: bool = Tru
     checkpoints.close()
     writer.close()
     return state, last
-
-
-def compile_step(run, state):
-    """The train step compiled ahead of time for ``state`` (as initialized or restored) and a global batch."""
-    c, sharding = run.config, batch_sharding(run.mesh)
-    images = jax.ShapeDtypeStruct((c.batch_size, c.data.input_size, c.data.input_size, 3), jnp.uint8,
-                                  sharding=sharding)
-    labels = jax.ShapeDtypeStruct((c.batch_size,), jnp.int32, sharding=sharding)
-    return run.jit_step().lower(state, images, labels).compile()
 
 
 def logged_metrics(metrics: dict, step: int, config, seconds: float) -> dict:
