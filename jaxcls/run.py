@@ -69,12 +69,15 @@ class Run:
         labels = jax.ShapeDtypeStruct((c.batch_size,), jnp.int32, sharding=sharding)
         return self.jit_step().lower(state, images, labels).compile(compiler_options)
 
-    def batches(self) -> HostBatches:
-        """The checkpointable iterator of this host's rows of every global training batch."""
+    def batches(self, bad_records_log=None) -> HostBatches:
+        """The checkpointable iterator of this host's rows of every global training batch; labels are checked against
+        ``num_classes`` and bad records handled by ``config.data.bad_records``, skipped ones listed in
+        ``bad_records_log`` (a path)."""
         c = self.config
         return HostBatches(self.source, global_batch=c.batch_size, rows=host_rows(self.mesh, c.batch_size),
                            size=c.data.input_size, seed=c.seed, flip=c.data.flip, workers=c.data.workers,
-                           threads=c.data.threads)
+                           threads=c.data.threads, num_classes=c.num_classes, bad_records=c.data.bad_records,
+                           bad_records_log=bad_records_log)
 
     def summary(self) -> list[str]:
         """The resolved run in a few lines: model, FC, mesh and batch, data."""

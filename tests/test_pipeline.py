@@ -1,16 +1,22 @@
 """The Grain input pipeline: host batches, epochs, exact resume from a saved position, device placement."""
 
+import io
+import re
+
 import jax
-import pytest
 import numpy as np
+import pytest
+from absl import flags
+from PIL import Image
 
 from jaxcls.data.pipeline import HostBatches, device_batch, normalize, to_image
-from jaxcls.data.sources import ProceduralGlyphs
+from jaxcls.data.recordio import DataError, MXFaceDataset, pack, write_records
+from jaxcls.data.sources import ImageFolder, ProceduralGlyphs
 from jaxcls.mesh import batch_sharding, make_mesh
 
 
-def batches(source, rows=(0, 8), **kwargs):
-    return HostBatches(source, global_batch=8, rows=rows, size=16, seed=3, threads=2, **kwargs)
+def batches(source, rows=(0, 8), global_batch=8, **kwargs):
+    return HostBatches(source, global_batch=global_batch, rows=rows, size=16, seed=3, **{"threads": 2, **kwargs})
 
 
 def test_an_epoch_is_a_permutation_of_the_source_without_flips():
@@ -81,3 +87,107 @@ def test_a_position_of_the_old_per_host_format_is_refused():
     source = ProceduralGlyphs(num_classes=6, images_per_class=4, size=16)
     with pytest.raises(ValueError, match="older jaxcls"):
         batches(source).set_state({"next_index": 16})
+
+
+def png(seed, size=16):
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def recordio(tmp_path, bad_image=(), bad_label=(), n=20):
+    """``n`` PNG records with labels ``k % 4``: zeroed headers at keys ``bad_image``, label 7 at keys ``bad_label``."""
+    records = {k: pack(7.0 if k in bad_label else float(k % 4), bytes(16) + png(k)[16:] if k in bad_image else png(k))
+               for k in range(n)}
+    return MXFaceDataset(write_records(tmp_path, records))
+
+
+def epoch(it, n=5):
+    return [next(it) for _ in range(n)]
+
+
+def test_a_record_that_cannot_be_decoded_is_named(tmp_path):
+    it = batches(recordio(tmp_path, bad_image=[5]), rows=(0, 4), global_batch=4)
+    with pytest.raises(DataError, match=r"train.rec \(key 5, .idx line 6, byte offset \d+\): cannot decode image: "
+                                        "cannot identify image file"):
+        epoch(it)
+
+
+def test_an_image_folder_file_that_cannot_be_decoded_is_named(tmp_path):
+    (tmp_path / "a").mkdir()
+    for k in range(8):
+        (tmp_path / "a" / f"{k}.png").write_bytes(png(k) if k != 3 else bytes(16) + png(k)[16:])
+    with pytest.raises(DataError, match=rf"^{tmp_path / 'a' / '3.png'}: cannot decode image"):
+        epoch(batches(ImageFolder(tmp_path)), 1)
+
+
+def test_a_label_outside_the_classes_is_named(tmp_path):
+    source = recordio(tmp_path, bad_label=[12])
+    epoch(batches(source, rows=(0, 4), global_batch=4))  # no num_classes: nothing checked
+    with pytest.raises(DataError, match=r"^label 7 of \S*train.rec \(key 12, .idx line 13, byte offset \d+\) is "
+                                        r"outside \[0, 4\)"):
+        epoch(batches(source, rows=(0, 4), global_batch=4, num_classes=4))
+
+
+@pytest.fixture
+def parsed_flags():
+    """Grain's worker processes read absl flags: parsed by the CLIs, not under pytest."""
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+
+
+def test_skip_replaces_bad_records_by_the_next_good_ones_deterministically(tmp_path, parsed_flags):
+    source = recordio(tmp_path, bad_image=[5], bad_label=[12])
+    log = tmp_path / "bad_records.txt"
+
+    def run(**kwargs):
+        return batches(source, rows=(0, 4), global_batch=4, num_classes=4, bad_records="skip", bad_records_log=log,
+                       **kwargs)
+
+    it = run(flip=False)
+    images, labels = map(np.concatenate, zip(*epoch(it)))
+    assert images.shape == (20, 16, 16, 3) and it.bad_records == 2
+    kept = [source[i] for i in range(20) if i not in (5, 12)] + [source[6], source[13]]  # the replacements
+    assert sorted((im.tobytes(), y) for im, y in zip(images, labels)) == sorted((im.tobytes(), y) for im, y in kept)
+    assert logged_keys(log) == {5, 12}
+
+    reference, expected, counts = run(), [], []
+    for _ in range(10):  # two epochs, flipped
+        expected.append(next(reference))
+        counts.append(reference.bad_records)
+    assert counts[-1] == 4
+
+    def same(it, first=0):
+        for (a, y), (b, z) in zip(expected[first:], epoch(it, 10 - first)):
+            np.testing.assert_array_equal(a, b)
+            np.testing.assert_array_equal(y, z)
+        return it.bad_records
+
+    assert [same(run(**kwargs)) for kwargs in ({"threads": 1}, {"threads": 3}, {"workers": 1})] == [4, 4, 4]
+    resumed = run()
+    resumed.set_state({"global_batches": 7})
+    assert same(resumed, 7) == counts[9] - counts[6]
+    hosts = [batches(source, rows=rows, global_batch=4, num_classes=4, bad_records="skip") for rows in ((0, 1), (1, 4))]
+    for images, labels in expected:
+        parts = [next(h) for h in hosts]
+        np.testing.assert_array_equal(images, np.concatenate([p[0] for p in parts]))
+        np.testing.assert_array_equal(labels, np.concatenate([p[1] for p in parts]))
+    assert hosts[0].bad_records + hosts[1].bad_records == 4
+    assert logged_keys(log) == {5, 12}
+
+
+def logged_keys(log):
+    """The keys of the bad records in the log; every line must name its record (prefetching may log some twice)."""
+    return {int(re.search(r"train.rec \(key (\d+), .idx line \d+, byte offset \d+\)", line)[1])
+            for line in log.read_text().splitlines()}
+
+
+def test_skip_gives_up_on_a_broken_data_set(tmp_path):
+    it = batches(recordio(tmp_path, bad_image=range(3), n=3), rows=(0, 2), global_batch=2, bad_records="skip")
+    with pytest.raises(DataError, match=r"100 bad records in a row from \S*train.rec \(key \d, .*the data set is broken"):
+        next(it)
+
+
+def test_an_unknown_bad_records_policy():
+    with pytest.raises(ValueError, match="unknown bad_records policy 'ignore': choose error or skip"):
+        batches(ProceduralGlyphs(num_classes=6, images_per_class=4, size=16), bad_records="ignore")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from jaxcls.data.recordio import MAGIC, MXFaceDataset, RecordError, pack, write_records
+from jaxcls.data.recordio import MAGIC, DataError, MXFaceDataset, decode_image, pack, write_records
 
 GLYPHS = Path(__file__).resolve().parents[2] / "shared" / "data" / "glyphs"
 needs_glyphs = pytest.mark.skipif(not (GLYPHS / "train.rec").exists(),
@@ -74,7 +74,8 @@ def test_corrupt_magic_names_file_and_offset(tmp_path):
     (root / "train.rec").write_bytes(bytes(data))
     ds = MXFaceDataset(root)
     assert ds[0][1] == 0
-    with pytest.raises(RecordError, match=rf"train.rec: bad magic 0x[0-9a-f]{{8}} at byte offset {offset}"):
+    with pytest.raises(DataError, match=rf"train.rec \(key 2, .idx line 3, byte offset {offset}\): "
+                                         rf"bad magic 0x[0-9a-f]{{8}} at byte offset {offset}"):
         ds[2]
 
 
@@ -82,12 +83,167 @@ def test_truncated_record(tmp_path):
     root = write_records(tmp_path, {k: pack(float(k), jpeg(k)) for k in range(2)})
     data = (root / "train.rec").read_bytes()
     (root / "train.rec").write_bytes(data[:-20])
-    with pytest.raises(RecordError, match="truncated record at byte offset"):
+    with pytest.raises(DataError, match=r"train.rec \(key 1, .idx line 2, byte offset \d+\): truncated record"):
         MXFaceDataset(root)[1]
 
 
 def test_bad_index_line(tmp_path):
     root = write_records(tmp_path, {0: pack(0.0, jpeg(0))})
     (root / "train.idx").write_text("0\t0\nnonsense\n")
-    with pytest.raises(RecordError, match="train.idx:2"):
+    with pytest.raises(DataError, match="train.idx:2"):
         MXFaceDataset(root)
+
+
+def photo_jpeg(seed=0, size=64, **options):
+    """A JPEG as Pillow writes it (baseline 4:2:0 unless ``options`` say otherwise): a noisy gradient."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[:size, :size] * (256 // size)
+    pixels = np.stack([x, y, (x + y) // 2], -1) + rng.integers(0, 40, (size, size, 3))
+    buf = io.BytesIO()
+    Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(buf, "JPEG", **{"quality": 85, **options})
+    return buf.getvalue()
+
+
+def pillow(data):
+    with Image.open(io.BytesIO(data)) as img:
+        return np.asarray(img.convert("RGB"))
+
+
+def damaged(data):
+    """``{pattern: (damaged bytes, message)}``: every pattern must fail to decode, with that message."""
+    pos = 2
+    while data[pos + 1] != 0xDA:  # to the scan header
+        pos += 2 + int.from_bytes(data[pos + 2:pos + 4], "big")
+    start, end = pos + 2 + int.from_bytes(data[pos + 2:pos + 4], "big"), len(data) - 2  # the scan's bytes
+
+    def cut(p):  # a cut point not splitting an FF 00 pair
+        while data[p - 1] == 0xFF:
+            p += 1
+        return p
+
+    a, b = cut(start + (end - start) // 3), cut(start + 2 * (end - start) // 3)
+    return {
+        "zeroed header": (bytes(16) + data[16:], "cannot identify image file"),
+        "truncated in the headers": (data[:start - 20], "runs past the end of the data"),
+        "truncated in the scan": (data[:a], r"runs to the end without a marker \(truncated\)"),
+        "EOI missing": (data[:-2], r"runs to the end without a marker \(truncated\)"),
+        "stray marker in the scan": (data[:a] + b"\xff\xc4" + data[a + 2:], "unexpected marker 0xc4"),
+        "restart marker without DRI": (data[:a] + b"\xff\xd3" + data[a + 2:], "restart marker RST3 out of turn"),
+        "a third of the scan lost": (data[:a] + data[b:], "JPEG scan data is damaged or truncated"),
+        "a third of the scan repeated": (data[:b] + data[a:], "the image ends before the scan's last byte"),
+    }
+
+
+@pytest.mark.parametrize("pattern", list(damaged(photo_jpeg())))
+def test_damaged_jpegs_are_errors_naming_the_record(tmp_path, pattern):
+    image, message = damaged(photo_jpeg())[pattern]
+    root = write_records(tmp_path, {0: pack(0.0, photo_jpeg()), 1: pack(1.0, image)})
+    offset = int((root / "train.idx").read_text().splitlines()[1].split("\t")[1])
+    ds = MXFaceDataset(root)
+    np.testing.assert_array_equal(ds[0][0], pillow(photo_jpeg()))
+    with pytest.raises(DataError, match=rf"train.rec \(key 1, .idx line 2, byte offset {offset}\): "
+                                         rf"cannot decode image: .*{message}"):
+        ds[1]
+
+
+@needs_glyphs
+def test_damaged_glyph_jpegs_are_errors():
+    ds = MXFaceDataset(GLYPHS)
+    for i in (0, 777, 17999):
+        for image, message in damaged(ds.raw(i)[0]).values():
+            with pytest.raises(DataError, match=f"^glyph {i}: cannot decode image: .*{message}"):
+                decode_image(image, f"glyph {i}")
+
+
+@needs_glyphs
+def test_glyph_jpegs_decode_exactly_as_pillow_does():
+    ds = MXFaceDataset(GLYPHS)
+    for i in range(0, len(ds), 60):
+        np.testing.assert_array_equal(ds[i][0], pillow(ds.raw(i)[0]))
+
+
+@pytest.mark.parametrize("options", [{}, {"subsampling": 0}, {"quality": 10, "optimize": True}, {"progressive": True},
+                                     {"restart_marker_blocks": 3}, {"restart_marker_rows": 1}])
+def test_valid_images_decode_exactly_as_pillow_does(options):
+    for seed, size in ((0, 64), (1, 1), (2, 37)):
+        data = photo_jpeg(seed, size, **options)
+        np.testing.assert_array_equal(decode_image(data), pillow(data))
+        np.testing.assert_array_equal(decode_image(data + b"trailing bytes"), pillow(data))
+    gray = io.BytesIO()
+    Image.fromarray(np.arange(64 * 48, dtype=np.uint8).reshape(64, 48)).save(gray, "JPEG")
+    np.testing.assert_array_equal(decode_image(gray.getvalue()), pillow(gray.getvalue()))
+    np.testing.assert_array_equal(decode_image(jpeg(3)), pillow(jpeg(3)))  # a PNG
+
+
+def test_restart_markers_out_of_turn():
+    data = photo_jpeg(restart_marker_blocks=2)
+    first = data.index(b"\xff\xd0")
+    second = data.index(b"\xff\xd1")
+    swapped = data[:first] + b"\xff\xd1" + data[first + 2:second] + b"\xff\xd0" + data[second + 2:]
+    with pytest.raises(DataError, match="restart marker RST1 out of turn"):
+        decode_image(swapped)
+
+
+def test_png_with_a_damaged_chunk():
+    data = bytearray(jpeg(4))
+    data[data.index(b"IDAT") + 10] ^= 0x01
+    with pytest.raises(DataError, match="^x.png: cannot decode image: .*checksum"):
+        decode_image(bytes(data), "x.png")
+
+
+def records(tmp_path, n=3):
+    root = write_records(tmp_path, {k: pack(float(k), photo_jpeg(k, 16)) for k in range(n)})
+    lines = (root / "train.idx").read_text().splitlines()
+    return root, [int(line.split("\t")[1]) for line in lines]
+
+
+def test_a_bad_idx_offset_names_key_line_and_offset(tmp_path):
+    root, offsets = records(tmp_path)
+    size = (root / "train.rec").stat().st_size
+    for bad, message in ((size + 100, "truncated record: 8 bytes wanted"), (offsets[1] + 4, "bad magic")):
+        (root / "train.idx").write_text(f"0\t{offsets[0]}\n\n2\t{bad}\n1\t{offsets[1]}\n")
+        ds = MXFaceDataset(root)
+        assert ds[0][1] == 0 and ds[1][1] == 1
+        with pytest.raises(DataError, match=rf"train.rec \(key 2, .idx line 3, byte offset {bad}\): {message}"):
+            ds[2]
+
+
+def test_a_chunk_longer_than_the_file_fails_at_once(tmp_path):
+    root, offsets = records(tmp_path)
+    data = bytearray((root / "train.rec").read_bytes())
+    data[offsets[1] + 4:offsets[1] + 8] = struct.pack("<I", (1 << 29) - 1)  # cflag 0, 512 MiB
+    (root / "train.rec").write_bytes(bytes(data))
+    with pytest.raises(DataError, match=rf"truncated record: {(1 << 29) - 1} bytes wanted at byte offset "
+                                         rf"{offsets[1] + 8}, the file has {len(data)}"):
+        MXFaceDataset(root)[1]
+
+
+def test_continuation_chunk_where_a_record_starts(tmp_path):
+    root, offsets = records(tmp_path)
+    data = bytearray((root / "train.rec").read_bytes())
+    data[offsets[1] + 7] |= 2 << 5  # cflag 0 → 2
+    (root / "train.rec").write_bytes(bytes(data))
+    with pytest.raises(DataError, match=rf"continuation flag 2 at byte offset {offsets[1]} starting a record"):
+        MXFaceDataset(root)[1]
+
+
+@pytest.mark.parametrize("label", [float("nan"), -1.0, 2.5])
+def test_a_label_that_is_not_a_class_number(tmp_path, label):
+    ds = MXFaceDataset(write_records(tmp_path, {0: pack(0.0, jpeg(0)), 1: pack(label, jpeg(1))}))
+    with pytest.raises(DataError, match=r"key 1, .idx line 2, byte offset \d+\): label .* is not a class number"):
+        ds.raw(1)
+
+
+def test_a_key_twice_in_the_index(tmp_path):
+    root, offsets = records(tmp_path)
+    (root / "train.idx").write_text(f"0\t{offsets[0]}\n1\t{offsets[1]}\n0\t{offsets[2]}\n")
+    with pytest.raises(DataError, match="train.idx:3: key 0 is also on line 1"):
+        MXFaceDataset(root)
+
+
+@pytest.mark.parametrize("labels", [[float("nan"), 9.0], [5.0, float("inf")], [5.0, 2.0], [1e30, 1e31], [-3.0, 9.0]])
+def test_a_damaged_header_record_is_no_header(tmp_path, labels):
+    ds = MXFaceDataset(write_records(tmp_path, {0: pack(labels, b""), **{k: pack(0.0, jpeg(k)) for k in range(1, 5)}}))
+    assert ds.header_classes is None and len(ds) == 5
+    with pytest.raises(DataError, match=r"train.rec \(key 0, .idx line 1, byte offset 0\): record holds no image"):
+        ds.raw(0)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from jaxcls.data.recordio import MXFaceDataset, pack, write_records
+from jaxcls.data.recordio import DataError, MXFaceDataset, pack, write_records
 from jaxcls.data.sources import ImageFolder, ProceduralGlyphs, SyntheticNoise, make_source
 from tiny import get_config as tiny_config
 
@@ -80,3 +80,19 @@ def test_every_kind_builds_itself_from_the_data_config(tmp_path):
     c.data.kind = "webdataset"
     with pytest.raises(ValueError, match=r"unknown data source 'webdataset'; choose one of \['folder'"):
         make_source(c.data, 64)
+
+
+def test_every_source_names_its_records(tmp_path):
+    (tmp_path / "folder" / "a").mkdir(parents=True)
+    for k in range(2):
+        (tmp_path / "folder" / "a" / f"{k}.png").write_bytes(png(k))
+    folder = ImageFolder(tmp_path / "folder")
+    assert folder.where(1) == str(tmp_path / "folder" / "a" / "1.png")
+    root = write_records(tmp_path / "rec", {0: pack([3.0, 4.0], b""), 1: pack(0, png(0)), 2: pack(1, png(1))})
+    offset = int((root / "train.idx").read_text().splitlines()[2].split("\t")[1])
+    assert MXFaceDataset(root).where(1) == f"{root / 'train.rec'} (key 2, .idx line 3, byte offset {offset})"
+    assert ProceduralGlyphs(num_classes=3).where(7) == "procedural image 7"
+    assert SyntheticNoise(num_classes=3).where(7) == "synthetic image 7"
+    (tmp_path / "folder" / "a" / "1.png").unlink()
+    with pytest.raises(DataError, match=rf"^{tmp_path / 'folder' / 'a' / '1.png'}: cannot read"):
+        folder.raw(1)

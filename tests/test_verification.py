@@ -5,8 +5,10 @@ import pickle
 import struct
 
 import numpy as np
+import pytest
 from PIL import Image
 
+from jaxcls.data.recordio import DataError
 from jaxcls.eval.verification import evaluate, flip_sum_embeddings, kfold_accuracy, load_bin
 
 
@@ -66,3 +68,24 @@ def test_load_bin_python3_and_python2_pickles(tmp_path):
     images2, same2 = load_bin(p2, size=8)
     np.testing.assert_array_equal(images2, images)
     assert list(same2) == issame
+
+
+def test_a_broken_bin_is_an_error_naming_the_file(tmp_path):
+    good = pickle.dumps(([png(i) for i in range(4)], [True, False]))
+    bad = bytearray(png(2))
+    bad[:16] = bytes(16)
+    cases = {
+        "truncated": (good[:len(good) // 2], r"not a verification .bin .*UnpicklingError: pickle data was truncated"),
+        "empty": (b"", "EOFError"),
+        "garbage": (bytes(range(256)), "not a verification .bin"),
+        "a dict": (pickle.dumps({"images": []}), "ValueError: not enough values to unpack"),
+        "numbers for images": (pickle.dumps((7, [True])), "expected a list of images and a list of booleans"),
+        "odd count": (pickle.dumps(([png(0)] * 3, [True, False])), "3 images for 2 pairs"),
+        "an image as a number": (pickle.dumps(([png(0), 10**9], [True])), r" \(image 1\): int instead of encoded"),
+        "an image not decodable": (pickle.dumps(([png(0), png(1), bytes(bad), png(3)], [True, False])),
+                                   r" \(image 2\): cannot decode image: cannot identify image file"),
+    }
+    for data, message in cases.values():
+        (tmp_path / "x.bin").write_bytes(data)
+        with pytest.raises(DataError, match=rf"^{tmp_path / 'x.bin'}\b.*{message}"):
+            load_bin(tmp_path / "x.bin", size=8)

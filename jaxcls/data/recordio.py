@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import struct
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -27,23 +29,52 @@ _HEADER = struct.Struct("<IfQQ")
 _LENGTH_MASK = (1 << 29) - 1
 
 
-class RecordError(ValueError):
-    """A corrupt or truncated record; the message names the file and byte offset."""
+class DataError(ValueError):
+    """Unusable training or evaluation data; the message starts with where: file, key, ``.idx`` line, byte offset."""
 
 
-def read_index(path: str | os.PathLike) -> dict[int, int]:
-    """``.idx`` file → ``{key: byte_offset}``."""
-    index = {}
-    with open(path) as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                key, offset = line.split("\t")
-                index[int(key)] = int(offset)
-            except ValueError:
-                raise RecordError(f"{path}:{line_no}: expected 'key<TAB>offset', got {line.strip()!r}") from None
-    return index
+class RecordIndex:
+    """A ``.idx`` file (``key\\tbyte_offset`` lines) held as sorted numpy arrays: 20 bytes per record, so the 42M
+    records of WebFace42M take 0.8 GB rather than the several GB of a dict; ``index[key] -> (offset, .idx line)``."""
+
+    def __init__(self, path: str | os.PathLike):
+        keys, offsets, lines = [], [], []
+        with open(path, "rb") as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    key, offset = map(int, line.split(b"\t"))
+                except ValueError:
+                    raise DataError(f"{path}:{line_no}: expected 'key<TAB>offset', got {line.strip()!r}") from None
+                if offset < 0:
+                    raise DataError(f"{path}:{line_no}: negative offset")
+                keys.append(key)
+                offsets.append(offset)
+                lines.append(line_no)
+        order = np.argsort(keys, kind="stable")
+        self.keys = np.asarray(keys, np.int64)[order]
+        self.offsets, self.lines = np.asarray(offsets, np.int64)[order], np.asarray(lines, np.int32)[order]
+        repeated = np.flatnonzero(np.diff(self.keys) == 0)
+        if repeated.size:
+            i = repeated[0]
+            raise DataError(f"{path}:{self.lines[i + 1]}: key {self.keys[i]} is also on line {self.lines[i]}")
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def _find(self, key: int) -> int:
+        i = int(np.searchsorted(self.keys, key))
+        return i if i < len(self.keys) and self.keys[i] == key else -1
+
+    def __contains__(self, key: int) -> bool:
+        return self._find(key) >= 0
+
+    def __getitem__(self, key: int) -> tuple[int, int]:
+        i = self._find(key)
+        if i < 0:
+            raise KeyError(key)
+        return int(self.offsets[i]), int(self.lines[i])
 
 
 class RecordFile:
@@ -54,57 +85,162 @@ class RecordFile:
         self.size = os.path.getsize(self.path)
         self._fd, self._pid = None, None
 
-    def _read(self, offset: int, n: int) -> bytes:
+    def _read(self, offset: int, n: int, where: str) -> bytes:
+        if offset + n > self.size:
+            raise DataError(f"{where}: truncated record: {n} bytes wanted at byte offset {offset}, "
+                            f"the file has {self.size}")
         if self._pid != os.getpid():
             self._fd, self._pid = os.open(self.path, os.O_RDONLY), os.getpid()
+            weakref.finalize(self, os.close, self._fd)
         data = os.pread(self._fd, n, offset)
         if len(data) != n:
-            raise RecordError(f"{self.path}: truncated record at byte offset {offset} "
-                              f"(wanted {n} bytes, file has {self.size})")
+            raise DataError(f"{where}: truncated record: {n} bytes wanted at byte offset {offset}, got {len(data)}")
         return data
 
-    def read(self, offset: int) -> bytes:
-        """The payload of the record starting at ``offset`` (split records joined)."""
-        start, parts = offset, []
+    def read(self, offset: int, where: str | None = None) -> bytes:
+        """The payload of the record starting at ``offset`` (split records joined); errors begin with ``where``.
+
+        Every chunk is checked before it is read (magic, continuation flag, length within the file), so a damaged
+        file fails at once with the chunk's byte offset.
+        """
+        where = where or f"{self.path} (byte offset {offset})"
+        parts = []
         while True:
-            magic, lrec = struct.unpack("<II", self._read(offset, 8))
+            magic, lrec = struct.unpack("<II", self._read(offset, 8, where))
             if magic != MAGIC:
-                raise RecordError(f"{self.path}: bad magic 0x{magic:08x} at byte offset {offset} "
-                                  f"(record starting at {start})")
+                raise DataError(f"{where}: bad magic 0x{magic:08x} at byte offset {offset}")
             cflag, length = lrec >> 29, lrec & _LENGTH_MASK
-            parts.append(self._read(offset + 8, length))
+            if cflag not in ((2, 3) if parts else (0, 1)):
+                raise DataError(f"{where}: continuation flag {cflag} at byte offset {offset} "
+                                f"{'inside' if parts else 'starting'} a record")
+            parts.append(self._read(offset + 8, length, where))
             offset += 8 + length + (-length % 4)
             if cflag in (0, 3):
-                if cflag == 0 and len(parts) > 1:
-                    raise RecordError(f"{self.path}: whole record inside a split record at byte offset {offset}")
                 return _MAGIC_BYTES.join(parts)
-            if cflag not in (1, 2):
-                raise RecordError(f"{self.path}: bad continuation flag {cflag} at byte offset {offset}")
 
 
 def unpack(payload: bytes, where: str = "") -> tuple[np.ndarray, bytes]:
     """IRHeader payload → (float32 labels, image bytes)."""
     if len(payload) < _HEADER.size:
-        raise RecordError(f"{where}: record of {len(payload)} bytes is shorter than its header")
+        raise DataError(f"{where}: record of {len(payload)} bytes is shorter than its header")
     flag, label, _, _ = _HEADER.unpack_from(payload)
     if flag == 0:
         return np.array([label], np.float32), payload[_HEADER.size:]
     end = _HEADER.size + 4 * flag
     if len(payload) < end:
-        raise RecordError(f"{where}: header announces {flag} labels but the record ends first")
+        raise DataError(f"{where}: header announces {flag} labels but the record ends first")
     return np.frombuffer(payload[_HEADER.size:end], np.float32).copy(), payload[end:]
 
 
-def decode_image(data: bytes) -> np.ndarray:
-    """JPEG/PNG bytes → uint8 ``[H, W, 3]`` RGB."""
-    with Image.open(io.BytesIO(data)) as img:
+def _whole(x) -> bool:
+    """A float32 label or count that is a finite non-negative integer."""
+    return bool(np.isfinite(x) and x >= 0 and x == int(x))
+
+
+def decode_image(data: bytes, where: str = "image") -> np.ndarray:
+    """Encoded image → uint8 ``[H, W, 3]`` RGB, exactly as Pillow decodes it; any damage found → ``DataError``.
+
+    Pillow alone ignores most damage to a JPEG's entropy-coded data (libjpeg only warns and fills in), so a JPEG is
+    first checked here: its marker structure (SOI, segment lengths inside the data, a frame before the first scan,
+    scan data holding only stuffed ``FF 00`` bytes and restart markers in order, nothing but EOI after the scan of a
+    one-scan image) and, for a one-scan Huffman image (baseline, as cv2 and Pillow write), that the decoder needs
+    exactly the scan's bytes: it must not finish before the scan's last byte (damage that ends it early) nor run
+    past its end (damage that makes it want more; libjpeg would pad with grey). Both are what libjpeg reports as
+    "Corrupt JPEG data" warnings. Truncation anywhere and damaged headers fail too; bytes after EOI are ignored, as
+    Pillow does. A PNG is checked against every chunk's CRC (``Image.verify``).
+
+    Not detectable: a changed byte that still decodes into valid Huffman codes using up exactly the scan (about half
+    of random byte flips inside a JPEG's scan: the codes resynchronize; no decoder can tell, there is no checksum),
+    changed table or header values that stay valid, damage to multi-scan (progressive) JPEGs beyond the structure
+    check, and damage to formats without checksums (BMP).
+    """
+    try:
+        if data[:2] == b"\xff\xd8":
+            return _decode_jpeg(data)
+        with Image.open(io.BytesIO(data)) as img:
+            img.verify()
+        with Image.open(io.BytesIO(data)) as img:
+            return np.asarray(img.convert("RGB"))
+    except Exception as e:  # Pillow raises many types on damaged data: every one is a bad image
+        raise DataError(f"{where}: cannot decode image: {e}") from e
+
+
+_SOF = set(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # frame headers (0xC4 DHT, 0xC8 reserved, 0xCC DAC)
+_LOOKAHEAD = b"\0" * 8  # libjpeg-turbo's Huffman decoder reads up to 7 bytes ahead of the bits it decodes
+_MARKER = re.compile(rb"\xff[^\x00]")  # in scan data: a marker (FF 00 is a stuffed FF byte)
+
+
+def _decode_jpeg(data: bytes) -> np.ndarray:
+    scan_end, one_scan = _jpeg_structure(data)
+    if not one_scan:
+        with Image.open(io.BytesIO(data)) as img:
+            return np.asarray(img.convert("RGB"))
+    # The scan without its EOI, then zeros: the decoder can read ahead but suspends (truncated) if the image needs
+    # any bits past the scan. It gets the data in two reads, the first stopping one byte short of the scan's end:
+    # finishing on that first read means the image used fewer bytes than the scan has.
+    stream = io.BytesIO(data[:scan_end] + _LOOKAHEAD)
+    with Image.open(stream) as img:
+        img.decodermaxblock = scan_end - 1
+        try:
+            img.load()
+        except OSError as e:
+            raise ValueError(f"JPEG scan data is damaged or truncated ({e})") from None
+        if stream.tell() < scan_end:
+            raise ValueError("JPEG scan data is damaged: the image ends before the scan's last byte")
         return np.asarray(img.convert("RGB"))
+
+
+def _jpeg_structure(data: bytes) -> tuple[int, bool]:
+    """Check a JPEG's markers: ``(offset of EOI, whether it is one Huffman-coded scan of every component)``."""
+    pos, frame, scans, restarts, one_scan = 2, None, 0, False, False
+    while True:
+        if pos + 2 > len(data) or data[pos] != 0xFF:
+            raise ValueError(f"JPEG: no marker at image byte {pos} (truncated or damaged)")
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        if marker == 0xD9 and scans:
+            return pos, one_scan
+        if one_scan or not (marker in _SOF or marker in (0xC4, 0xCC) or marker >= 0xDA):
+            raise ValueError(f"JPEG: unexpected marker 0x{marker:02x} at image byte {pos}")
+        end = pos + 2 + int.from_bytes(data[pos + 2:pos + 4], "big")
+        if pos + 4 > len(data) or end > len(data) or end < pos + 4:
+            raise ValueError(f"JPEG: segment 0x{marker:02x} at image byte {pos} runs past the end of the data")
+        if marker in _SOF:
+            frame, components = marker, data[pos + 9] if end > pos + 9 else 0
+        elif marker == 0xDD:
+            restarts = end >= pos + 6 and data[pos + 4:pos + 6] != b"\0\0"
+        elif marker == 0xDA:
+            if frame is None:
+                raise ValueError(f"JPEG: scan before the frame header at image byte {pos}")
+            scans += 1
+            one_scan = scans == 1 and frame in (0xC0, 0xC1) and end > pos + 4 and data[pos + 4] == components
+            end = _scan_end(data, end, restarts)
+        pos = end
+
+
+def _scan_end(data: bytes, pos: int, restarts: bool) -> int:
+    """Offset of the marker ending the entropy-coded data at ``pos``: only ``FF 00`` and RST0..7 in turn inside."""
+    restart = 0
+    while marker := _MARKER.search(data, pos):
+        pos, code = marker.start(), data[marker.start() + 1]
+        if code == 0xFF:  # fill before a marker
+            pos += 1
+        elif 0xD0 <= code <= 0xD7:
+            if not restarts or code != 0xD0 + restart:
+                raise ValueError(f"JPEG: restart marker RST{code - 0xD0} out of turn at image byte {pos}")
+            restart, pos = (restart + 1) % 8, pos + 2
+        else:
+            return pos
+    raise ValueError("JPEG: the scan data runs to the end without a marker (truncated)")
 
 
 class MXFaceDataset:
     """``root/train.rec`` + ``root/train.idx``: ``len()`` images, ``[i] -> (uint8 [H, W, 3] RGB, int label)``.
 
-    ``raw(i)`` gives ``(image bytes, label)`` without decoding, for pipelines that decode in workers.
+    ``raw(i)`` gives ``(image bytes, label)`` without decoding, for pipelines that decode in workers; ``where(i)``
+    names the record. Every failure is a ``DataError`` naming the file, key, ``.idx`` line and byte offset.
     """
 
     generated = False
@@ -117,44 +253,54 @@ class MXFaceDataset:
     def __init__(self, root: str | os.PathLike, name: str = "train"):
         root = Path(root)
         self.rec = RecordFile(root / f"{name}.rec")
-        self.index = read_index(root / f"{name}.idx")
+        self.idx_path = root / f"{name}.idx"
+        self.index = RecordIndex(self.idx_path)
         if not self.index:
-            raise RecordError(f"{root / (name + '.idx')}: empty index")
+            raise DataError(f"{self.idx_path}: empty index")
         self.header_classes = None  # identity count announced by an insightface header record
         self.keys = self._image_keys()
         self._labels = None
 
     def _image_keys(self) -> np.ndarray:
-        keys = sorted(self.index)
+        keys = self.index.keys
         if 0 in self.index:
-            labels, image = unpack(self.rec.read(self.index[0]), self._where(0))
-            if len(labels) >= 2 and not image and labels[0] == int(labels[0]) and 1 <= labels[0] - 1 <= len(keys):
+            labels, image = unpack(self._read(0), self._where(0))
+            if (len(labels) >= 2 and not image and _whole(labels[0]) and _whole(labels[1])
+                    and 2 <= labels[0] <= len(keys) + 1 and labels[1] > labels[0]):
                 self.header_classes = int(labels[1] - labels[0])  # insightface header record
                 return np.arange(1, int(labels[0]), dtype=np.int64)
-        return np.asarray(keys, np.int64)
+        return keys
 
     def _where(self, key: int) -> str:
-        return f"{self.rec.path} (key {key}, byte offset {self.index[key]})"
+        if key not in self.index:
+            return f"{self.rec.path} (key {key})"
+        offset, line = self.index[key]
+        return f"{self.rec.path} (key {key}, .idx line {line}, byte offset {offset})"
+
+    def _read(self, key: int) -> bytes:
+        if key not in self.index:
+            raise DataError(f"{self._where(key)}: key missing from {self.idx_path}")
+        return self.rec.read(self.index[key][0], self._where(key))
+
+    def where(self, i: int) -> str:
+        """Image ``i``'s record: ``<file.rec> (key K, .idx line L, byte offset O)``."""
+        return self._where(int(self.keys[i]))
 
     def __len__(self) -> int:
         return len(self.keys)
 
     def raw(self, i: int) -> tuple[bytes, int]:
         key = int(self.keys[i])
-        if key not in self.index:
-            raise RecordError(f"{self.rec.path}: key {key} is missing from the index")
-        labels, image = unpack(self.rec.read(self.index[key]), self._where(key))
+        labels, image = unpack(self._read(key), self._where(key))
         if not image:
-            raise RecordError(f"{self._where(key)}: record holds no image")
+            raise DataError(f"{self._where(key)}: record holds no image")
+        if not _whole(labels[0]):
+            raise DataError(f"{self._where(key)}: label {labels[0]} is not a class number")
         return image, int(labels[0])
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
         image, label = self.raw(i)
-        try:
-            return decode_image(image), label
-        except Exception as e:
-            key = int(self.keys[i])
-            raise RecordError(f"{self._where(key)}: cannot decode image: {e}") from e
+        return decode_image(image, self.where(i)), label
 
     def num_classes(self) -> int:
         """Identities in the file: from the insightface header, else 1 + the largest label."""

@@ -1,9 +1,10 @@
 """Image sources by name: RecordIO, a folder per class, a procedural many-identity set, synthetic noise.
 
-Every source has ``len()``, ``raw(i) -> (encoded bytes or uint8 [H, W, 3], int label)``, ``num_classes()``,
-a class attribute ``generated`` (made on the fly: nothing to read from disk) and
-``from_config(config.data, num_classes)``; a source that can make verification pairs of identities it
-never trains on has ``heldout_pairs()``. ``make_source(config.data, num_classes)`` builds one by kind.
+Every source has ``len()``, ``raw(i) -> (encoded bytes or uint8 [H, W, 3], int label)``, ``where(i)`` (the
+record as errors name it: file, key, byte offset), ``num_classes()``, a class attribute ``generated`` (made on the
+fly: nothing to read from disk) and ``from_config(config.data, num_classes)``; a source that can make verification
+pairs of identities it never trains on has ``heldout_pairs()``. ``make_source(config.data, num_classes)`` builds
+one by kind.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxcls.data.recordio import MXFaceDataset
+from jaxcls.data.recordio import DataError, MXFaceDataset
 from jaxcls.registry import lookup
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp"}
@@ -47,7 +48,13 @@ class ImageFolder:
         return len(self.files)
 
     def raw(self, i):
-        return self.files[i].read_bytes(), int(self._labels[i])
+        try:
+            return self.files[i].read_bytes(), int(self._labels[i])
+        except OSError as e:
+            raise DataError(f"{self.files[i]}: cannot read: {e}") from e
+
+    def where(self, i):
+        return str(self.files[i])
 
     def num_classes(self):
         return len(self.classes)
@@ -81,6 +88,9 @@ class ProceduralGlyphs:
 
     def raw(self, i):
         return self.image(i // self.per, i % self.per), i // self.per
+
+    def where(self, i):
+        return f"procedural image {i}"
 
     def image(self, identity: int, variant: int) -> np.ndarray:
         shape_rng = np.random.default_rng([self.seed, identity])
@@ -139,6 +149,9 @@ class SyntheticNoise:
     def raw(self, i):
         rng = np.random.default_rng(i)
         return rng.integers(0, 256, (self.size, self.size, 3), dtype=np.uint8), int(rng.integers(self.n))
+
+    def where(self, i):
+        return f"synthetic image {i}"
 
 
 SOURCES = {"recordio": MXFaceDataset, "folder": ImageFolder, "procedural": ProceduralGlyphs,

@@ -10,24 +10,39 @@ from __future__ import annotations
 
 import os
 import pickle
+from pathlib import Path
 
 import numpy as np
 
 from jaxcls.data.pipeline import to_image
+from jaxcls.data.recordio import DataError
 
 
 def load_bin(path: str | os.PathLike, size: int = 112) -> tuple[np.ndarray, np.ndarray]:
-    """``.bin`` → ``(uint8 images [2N, size, size, 3], bool issame [N])``; Python 2 pickles too."""
-    with open(path, "rb") as f:
+    """``.bin`` → ``(uint8 images [2N, size, size, 3], bool issame [N])``; Python 2 pickles too.
+
+    A file that is not such a pickle, or an image in it that cannot be decoded, raises ``DataError`` naming the file
+    (and the image's index).
+    """
+    data = Path(path).read_bytes()
+    try:
         try:
-            bins, issame = pickle.load(f)
+            bins, issame = pickle.loads(data)
         except UnicodeDecodeError:
-            f.seek(0)
-            bins, issame = pickle.load(f, encoding="bytes")
-    issame = np.asarray(issame, bool)
+            bins, issame = pickle.loads(data, encoding="bytes")
+        issame = np.asarray(issame)
+    except Exception as e:  # unpickling garbage can raise almost any type
+        raise DataError(f"{path}: not a verification .bin (a pickled (images, issame) pair): "
+                        f"{type(e).__name__}: {e}") from e
+    if issame.ndim != 1 or issame.dtype != bool or not isinstance(bins, (list, tuple)):
+        raise DataError(f"{path}: expected a list of images and a list of booleans, got {type(bins).__name__} "
+                        f"and {issame.dtype} {issame.shape}")
     if len(bins) != 2 * len(issame):
-        raise ValueError(f"{path}: {len(bins)} images for {len(issame)} pairs (expected twice as many)")
-    return np.stack([to_image(bytes(b), size) for b in bins]), issame
+        raise DataError(f"{path}: {len(bins)} images for {len(issame)} pairs (expected twice as many)")
+    for i, b in enumerate(bins):
+        if not isinstance(b, (bytes, bytearray)):
+            raise DataError(f"{path} (image {i}): {type(b).__name__} instead of encoded image bytes")
+    return np.stack([to_image(b, size, f"{path} (image {i})") for i, b in enumerate(bins)]), issame
 
 
 def _accuracy(threshold, dist, issame):
