@@ -83,7 +83,8 @@ class FCHead:
             matmul dtype); ``labels`` ``[N]`` int, sharded alike.
           sample: from ``sample`` (``None``: every row, as ``sample_rate=1``).
           update: ``False`` returns ``weight`` and ``state`` untouched (no update work is traced).
-          apply: a scalar bool; where false the rows and state are left as they were (a skipped step).
+          apply: a scalar bool; where false the rows and state are left as they were (a skipped step). A
+            non-finite embedding or loss skips the update too.
 
         Returns:
           ``(loss, d_embeddings, weight, state)``: the float32 mean loss over the global batch, the
@@ -96,15 +97,14 @@ class FCHead:
         labels = labels.astype(jnp.int32)
         labels_ok = jnp.all((labels >= 0) & (labels < self.num_classes))
         apply = jnp.asarray(apply, bool) & labels_ok
-        count = state.count + apply.astype(jnp.int32) if update else state.count
         matrix = layout.weight_spec(self.class_axes)
         slots = (matrix,) * len(state.slots)
         per_shard = partial(_step_shard, head=self, update=update, global_batch=embeddings.shape[0])
-        loss, d_emb, weight, new_slots = jax.shard_map(
+        loss, d_emb, weight, new_slots, count = jax.shard_map(
             per_shard, mesh=self.mesh,
             in_specs=(layout.BATCH_ROWS, layout.BATCH, matrix, slots, layout.row_spec(self.class_axes), P(), P(), P()),
-            out_specs=(P(), layout.BATCH_ROWS, matrix, slots),
-        )(embeddings, labels, weight, state.slots, row_classes, jnp.asarray(lr, jnp.float32), count, apply)
+            out_specs=(P(), layout.BATCH_ROWS, matrix, slots, P()),
+        )(embeddings, labels, weight, state.slots, row_classes, jnp.asarray(lr, jnp.float32), state.count, apply)
         return jnp.where(labels_ok, loss, jnp.nan), d_emb, weight, SparseState(new_slots, count)
 
 
@@ -142,6 +142,11 @@ def _step_shard(emb, labels, weight, slots, row_classes, lr, count, apply, *, he
     n_tiles = tiles.num_tiles(num_rows, tile)
     lse, losses = combine_stats(*tiles.online_stats(e_n, targets, n_tiles, tile_at, head.margin), class_axes)
     g = jnp.full_like(lse, 1.0 / global_batch)
+    # a non-finite embedding or loss never reaches the rows (the caller sees the loss non-finite); every shard
+    # decides alike (replicas of the rows over data axes hold other samples)
+    finite = jnp.all(jnp.isfinite(lse)) & jnp.all(jnp.isfinite(e_n32))
+    apply = apply & (lax.pmin(finite.astype(jnp.int32), head.mesh.axis_names) > 0)
+    count = count + apply.astype(count.dtype) if update else count  # the optimizer's step number
 
     def backward(carry, i):
         d_e, weight, slots = carry
@@ -161,7 +166,7 @@ def _step_shard(emb, labels, weight, slots, row_classes, lr, count, apply, *, he
     if layout.data_axes(class_axes):
         total = lax.psum(total, layout.data_axes(class_axes))
     weight, *slots = (_from_bits(a, t) for a, t in zip((weight, *slots), dtypes))
-    return total / global_batch, pull(d_e)[0], weight, tuple(slots)
+    return total / global_batch, pull(d_e)[0], weight, tuple(slots), count
 
 
 def _to_bits(x):
