@@ -6,7 +6,10 @@ not in ``base_config()`` are an error, as are inconsistent values (see ``validat
 
 from __future__ import annotations
 
+import difflib
 import functools
+import json
+import os
 
 import ml_collections
 
@@ -28,6 +31,8 @@ def base_config() -> ml_collections.ConfigDict:
     # Data: kind is recordio | folder | procedural | synthetic.
     c.data = ml_collections.ConfigDict(dict(
         kind="procedural", root="", input_size=32, workers=0, threads=4, flip=True,
+        bad_records="error",  # error | skip: a record that cannot be read or decoded stops the run, or is
+        # replaced by the next good one and listed in <workdir>/bad_records.txt
         procedural=dict(num_classes=1000, images_per_class=16, size=32, strokes=5),
     ))
     c.num_classes = 1000
@@ -54,10 +59,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.total_steps = 600
     c.warmup_steps = 50
     c.lr_power = 2.0  # polynomial decay after warmup (arcface_torch's PolyScheduler)
-    c.clip_grad_norm = 5.0  # backbone only
+    c.clip_grad_norm = 5.0  # backbone only; 0: no clipping
+    c.max_bad_steps = 20  # stop after this many consecutive steps with a non-finite loss or gradient (skipped)
     c.loss_scale = ml_collections.ConfigDict(dict(initial=2.0**16, growth_interval=100))
     # Evaluation, logging, checkpoints.
-    c.eval_bins = []  # paths of verification .bin files; the procedural source adds its own pairs
+    c.eval_bins = ()  # paths of verification .bin files; the procedural source adds its own pairs
     c.eval_every = 200
     c.eval_batch_size = 256
     c.log_every = 50
@@ -70,15 +76,107 @@ def base_config() -> ml_collections.ConfigDict:
 FREE_FORM = {"model_kwargs", "data.procedural"}  # passed through to constructors as they are
 
 
+def flat_keys(config, prefix="") -> list[str]:
+    """Every leaf key of ``config`` as a dotted path (free-form dicts count as one leaf)."""
+    keys = []
+    for key, value in config.items():
+        name = prefix + key
+        nested = isinstance(value, (dict, ml_collections.ConfigDict)) and name not in FREE_FORM
+        keys += flat_keys(value, name + ".") if nested else [name]
+    return keys
+
+
+def unknown_key_error(name: str) -> ValueError:
+    """``unknown config key 'name'`` with the closest valid key, if one is close."""
+    close = difflib.get_close_matches(name, flat_keys(base_config()) + sorted(FREE_FORM), n=1, cutoff=0.6)
+    return ValueError(f"unknown config key {name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+
+
 def check_keys(config, reference=None, prefix="") -> None:
     """Every key of ``config`` must exist in ``base_config()`` (nested dicts checked recursively)."""
     reference = base_config() if reference is None else reference
     for key, value in config.items():
         name = prefix + key
         if key not in reference:
-            raise ValueError(f"unknown config key {name!r}")
+            raise unknown_key_error(name)
         if name not in FREE_FORM and isinstance(reference[key], ml_collections.ConfigDict):
             check_keys(value, reference[key], name + ".")
+
+
+def check_config_flags(argv, flag: str = "config") -> None:
+    """Refuse a missing ``--config`` file or a ``--config.<key>=…`` naming no key (before ml_collections parses
+    them, which would fail later with a traceback)."""
+    valid = flat_keys(base_config())
+    for i, arg in enumerate(argv[1:], 1):
+        if arg == f"--{flag}" or arg.startswith(f"--{flag}="):
+            path = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            if not os.path.isfile(path.split(":")[0]):
+                raise ValueError(f"config file {path.split(':')[0]!r} not found")
+        if arg.startswith(f"--{flag}.") or arg.startswith(f"--no{flag}."):
+            name = arg.split("=", 1)[0].split(".", 1)[1]
+            if name not in valid and not any(name.startswith(f + ".") for f in FREE_FORM):
+                raise unknown_key_error(name)
+
+
+# (dotted key, predicate, the rule in words): every numeric key's range
+RANGES = [(key, rule, words) for keys, rule, words in [
+    (("lr",), lambda v: v > 0, "> 0"),
+    (("momentum",), lambda v: 0 <= v < 1, "in [0, 1)"),
+    (("weight_decay", "clip_grad_norm", "warmup_steps", "chunk_size", "data.workers", "margin.m"),
+     lambda v: v >= 0, ">= 0"),
+    (("lr_power",), lambda v: v >= 0, ">= 0"),
+    (("margin.s", "loss_scale.initial"), lambda v: v > 0, "> 0"),
+    (("num_classes", "num_features", "batch_size", "accum_steps", "total_steps", "mesh_data", "eval_every",
+      "eval_batch_size", "log_every", "ckpt_every", "keep_checkpoints", "max_bad_steps", "data.input_size",
+      "data.threads", "loss_scale.growth_interval"), lambda v: v >= 1, ">= 1"),
+    (("collapse_warning",), lambda v: 0 <= v <= 1, "in [0, 1]"),
+] for key in keys]
+# keys that may differ when a run resumes: where and how it runs, what it reports; never the model, the data
+# stream or the optimization
+RESUMABLE_KEYS = {"mesh_data", "class_axes", "chunk_size", "remat", "data.root", "data.workers", "data.threads",
+                  "data.bad_records", "eval_bins", "eval_every", "eval_batch_size", "log_every", "ckpt_every",
+                  "keep_checkpoints", "collapse_warning", "max_bad_steps"}
+
+
+def get_key(config, key: str):
+    return functools.reduce(lambda node, part: node[part], key.split("."), config)
+
+
+def from_json(text: str) -> ml_collections.ConfigDict:
+    """A config saved as JSON (a run's ``config.json``) laid over ``base_config()``: keys added to jaxcls since
+    it was written take their defaults, lists become tuples again."""
+    config = base_config()
+
+    def merge(node, values, prefix):
+        for key, value in values.items():
+            name = prefix + key
+            if isinstance(value, dict) and name not in FREE_FORM and isinstance(node.get(key), ml_collections.ConfigDict):
+                merge(node[key], value, name + ".")
+            else:
+                node[key] = tuple(value) if isinstance(value, list) else value
+
+    merge(config, json.loads(text), "")
+    return config
+
+
+def resume_differences(saved, config) -> list[str]:
+    """``key: saved → new`` for every key outside ``RESUMABLE_KEYS`` whose value differs from the saved config."""
+    differences = []
+    for key in sorted(set(flat_keys(saved)) | set(flat_keys(config))):
+        if key in RESUMABLE_KEYS:
+            continue
+        try:
+            old = get_key(saved, key)
+        except (KeyError, AttributeError):
+            old = "(absent)"
+        try:
+            new = get_key(config, key)
+        except (KeyError, AttributeError):
+            new = "(absent)"
+        plain = lambda v: list(v) if isinstance(v, (list, tuple)) else v.to_dict() if hasattr(v, "to_dict") else v
+        if plain(old) != plain(new):
+            differences.append(f"{key}: {plain(old)!r} → {plain(new)!r}")
+    return differences
 
 
 # (key, its registry, what the error calls it): every named choice of a config
@@ -93,7 +191,12 @@ def validate(config, num_devices: int) -> None:
     """Raise ``ValueError`` naming the first unknown key, unknown name or inconsistent value; builds nothing."""
     check_keys(config)
     for key, table, what in NAMED_CHOICES:
-        lookup(table, functools.reduce(lambda node, part: node[part], key.split("."), config), what)
+        lookup(table, get_key(config, key), what)
+    for key, rule, words in RANGES:
+        if not rule(get_key(config, key)):
+            raise ValueError(f"{key} must be {words}, got {get_key(config, key)!r}")
+    if config.data.bad_records not in ("error", "skip"):
+        raise ValueError(f"unknown data.bad_records policy {config.data.bad_records!r}; choose 'error' or 'skip'")
     if config.batch_size % (num_devices * config.accum_steps):
         raise ValueError(f"batch_size {config.batch_size} is not divisible by {num_devices} devices × "
                          f"accum_steps {config.accum_steps}")
@@ -130,7 +233,7 @@ def face_config(*, root, num_classes, num_images, epochs, model="r50", margin=("
     steps_per_epoch = num_images // batch
     c.total_steps = steps_per_epoch * epochs
     c.warmup_steps = steps_per_epoch * warmup_epochs
-    c.eval_bins = [f"{root}/{name}.bin" for name in ("lfw", "cfp_fp", "agedb_30")]
+    c.eval_bins = tuple(f"{root}/{name}.bin" for name in ("lfw", "cfp_fp", "agedb_30"))
     c.eval_every = 2000
     c.log_every = 50
     c.ckpt_every = 2000

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import jax
-import ml_collections
 from flax import nnx
 
 from jaxcls import checkpoint as ckpt
+from jaxcls.config import from_json
 from jaxcls.run import make_model, split_model
 
 
@@ -28,7 +27,7 @@ def export_backbone(config, state: dict, out: str | os.PathLike) -> None:
 def load_backbone(path: str | os.PathLike) -> nnx.Module:
     """The exported backbone in eval mode: ``model(float images [N, S, S, 3] in [-1, 1]) -> [N, D]``."""
     path = Path(path)
-    config = ml_collections.ConfigDict(json.loads((path / "config.json").read_text()))
+    config = from_json((path / "config.json").read_text())
     graphdef, params, stats = split_model(nnx.eval_shape(lambda: make_model(config)))
     on_device = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(
         x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])), tree)

@@ -8,10 +8,12 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
 import jax
+from absl import app, flags
 from absl import logging as absl_logging
 from tqdm import tqdm
 
@@ -29,14 +31,87 @@ class _BarSafeHandler(logging.Handler):
         tqdm.write(message, file=sys.stderr)
 
 
+def _not_from_orbax(record) -> bool:
+    """Orbax logs each failure of a background save several times with its traceback (and asyncio once more
+    per failed write); jaxcls raises it once (``checkpoint.CheckpointError``), so those records are dropped
+    unless ``--verbosity`` asks for them."""
+    return not (record.levelno >= logging.ERROR and ("orbax" in record.pathname or "orbax" in record.getMessage()
+                                                     or "orbax" in str(record.exc_info)))
+
+
+def _quiet_closed_loops(hook):
+    """``sys.unraisablehook`` silent for the callbacks tensorstore still makes into the event loop of an orbax save
+    that has already failed (``RuntimeError: Event loop is closed``, once per write in flight)."""
+    def unraisablehook(unraisable):
+        if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"):
+            hook(unraisable)
+    unraisablehook.quiet = True
+    return unraisablehook
+
+
 def configure_logging(verbose: bool = False) -> None:
     """jaxcls messages (INFO and up) on stderr; absl and the libraries logging through it (orbax, jax's
     distributed setup) at WARNING unless ``verbose``. Call it first: it touches no device."""
+    for name in ("absl", "asyncio"):
+        logging.getLogger(name).removeFilter(_not_from_orbax)
+        if not verbose:
+            logging.getLogger(name).addFilter(_not_from_orbax)
     if not verbose:
         absl_logging.set_verbosity(absl_logging.WARNING)
+        if not getattr(sys.unraisablehook, "quiet", False):
+            sys.unraisablehook = _quiet_closed_loops(sys.unraisablehook)
     log.handlers[:] = [_BarSafeHandler()]
     log.setLevel(logging.INFO)
     log.propagate = False
+
+
+def one_line(error: BaseException) -> str:
+    """An exception as one line: its message's first line, prefixed by its type unless that is a ``ValueError``,
+    ``OSError`` or ``RuntimeError`` (whose messages say what went wrong)."""
+    lines = str(error).strip().splitlines()
+    message = lines[0] if lines else ""
+    if isinstance(error, (ValueError, OSError, RuntimeError)) and message:
+        return message + (" …" if len(lines) > 1 else "")
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
+
+
+def run_cli(main) -> None:
+    """``absl.app.run(main)`` for jaxcls's command-line programs: a bad flag or config key, and any exception
+    from ``main``, end the program with one line on stderr (exit status 2 for the command line, 1 for an
+    error, an exception's own ``exit_code`` for an expected end); ``--verbosity=…`` shows the traceback.
+    A Ctrl-C that ``main`` lets through exits with 130."""
+    from jaxcls.config import check_config_flags
+
+    def parse(argv):
+        try:
+            check_config_flags(argv)
+            return flags.FLAGS(argv)
+        except Exception as e:
+            if any(a.startswith(("--verbosity", "-v")) for a in argv[1:]):
+                raise
+            print(f"error: {one_line(e)}", file=sys.stderr)
+            sys.exit(2)
+
+    def guarded(argv):
+        try:
+            return main(argv)
+        except KeyboardInterrupt:
+            print("aborted", file=sys.stderr)
+            sys.exit(130)
+        except Exception as e:
+            if flags.FLAGS["verbosity"].present:
+                raise
+            if hasattr(e, "exit_code"):  # an expected end, e.g. a preempted run that saved its checkpoint
+                log.warning("%s", e)
+                sys.exit(e.exit_code)
+            log.error("error: %s (--verbosity=1 for the traceback)", one_line(e))
+            # no interpreter shutdown: background threads of a failed run (orbax writers still in flight)
+            # would print tracebacks into the closed event loop after the one line
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+
+    app.run(guarded, flags_parser=parse)
 
 
 class Progress:
@@ -52,24 +127,26 @@ class Progress:
         self.pending = collections.deque()
         self.completed = initial
 
-    def dispatched(self, metrics) -> None:
-        """Record a dispatched step (its metrics, still on the device); advance past the finished ones."""
+    def dispatched(self, metrics) -> list[tuple[int, dict]]:
+        """Record a dispatched step (its metrics, still on the device); advance past the finished ones and return
+        them as ``(step, metrics on the host)``."""
         self.pending.append(metrics)
-        while len(self.pending) > 1:
-            self._complete()
+        return [self._complete() for _ in range(len(self.pending) - 1)]
 
-    def _complete(self) -> None:
-        jax.block_until_ready(self.pending.popleft())
+    def _complete(self) -> tuple[int, dict]:
+        metrics = jax.device_get(self.pending.popleft())
         self.completed += 1
         self.bar.update(1)
+        return self.completed, metrics
 
     def show(self, values: dict) -> None:
         self.bar.set_postfix({k: f"{v:.4g}" for k, v in values.items()})
 
-    def close(self) -> None:
-        while self.pending:
-            self._complete()
+    def close(self) -> list[tuple[int, dict]]:
+        """Wait for the steps in flight; returns them as ``dispatched`` does (nothing the second time)."""
+        done = [self._complete() for _ in range(len(self.pending))]
         self.bar.close()
+        return done
 
 
 class MetricsWriter:

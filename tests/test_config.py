@@ -1,11 +1,19 @@
 """The configuration: every key known, every named choice and value checked before anything is built."""
 
 import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from absl import flags
+from ml_collections import config_flags
 
-from jaxcls.config import NAMED_CHOICES, base_config, check_keys, validate
+from jaxcls.config import (NAMED_CHOICES, RANGES, RESUMABLE_KEYS, base_config, check_config_flags, check_keys,
+                           from_json, get_key, resume_differences, validate)
 from jaxcls.fc import DEFAULT_CHUNK
 from jaxcls.run import build
 from tiny import get_config as tiny_config
@@ -34,7 +42,7 @@ def test_unknown_key():
     c = tiny_config()
     c.data.unlock()
     c.data.rooot = "x"
-    with pytest.raises(ValueError, match="unknown config key 'data.rooot'"):
+    with pytest.raises(ValueError, match=r"unknown config key 'data.rooot' \(did you mean 'data.root'\?\)"):
         check_keys(c)
     c = tiny_config(model_kwargs={"width": 8, "anything": 1})  # free-form: passed to the model as it is
     check_keys(c)
@@ -68,3 +76,85 @@ def test_defaults():
     c = base_config()
     validate(c, num_devices=8)
     assert c.chunk_size == DEFAULT_CHUNK and c.data.kind == "procedural"
+
+
+@pytest.mark.parametrize("key,rule,words", RANGES, ids=[k for k, _, _ in RANGES])
+def test_every_numeric_key_is_range_checked(key, rule, words):
+    c = base_config()
+    node, leaf = (c, key) if "." not in key else (get_key(c, key.rsplit(".", 1)[0]), key.rsplit(".", 1)[1])
+    for bad in (-1, -0.5, 0, 1, 1.5):
+        if not rule(bad) and isinstance(bad, type(node[leaf])):  # ints for int keys; any number for float keys
+            node[leaf] = bad
+            with pytest.raises(ValueError, match=rf"^{re.escape(key)} must be {re.escape(words)}, got {bad}$"):
+                validate(c, num_devices=1)
+            return
+    pytest.fail(f"no out-of-range value tried for {key}")
+
+
+def test_bad_records_policy_is_checked():
+    c = base_config()
+    c.data.bad_records = "sometimes"
+    with pytest.raises(ValueError, match="unknown data.bad_records policy 'sometimes'; choose 'error' or 'skip'"):
+        validate(c, num_devices=1)
+
+
+def test_command_line_keys_are_checked_with_the_closest_valid_key(tmp_path):
+    tiny = str(Path(__file__).parent / "tiny.py")
+    check_config_flags(["train", "--config", tiny, "--config.lr=0.2", "--config.model_kwargs.anything=1",
+                        "--config.data.procedural.size=8", "--noconfig.data.flip"])
+    with pytest.raises(ValueError, match=r"^unknown config key 'num_clases' \(did you mean 'num_classes'\?\)$"):
+        check_config_flags(["train", "--config.num_clases=10"])
+    with pytest.raises(ValueError, match=r"^unknown config key 'foo'$"):
+        check_config_flags(["train", f"--config={tiny}", "--config.foo=1"])
+    with pytest.raises(ValueError, match="config file 'nowhere.py' not found"):
+        check_config_flags(["train", "--config", "nowhere.py"])
+
+
+def test_list_valued_keys_are_settable_from_the_command_line():
+    for argv, expected in [(["--config.eval_bins=a.bin", "--config.eval_bins=b.bin"], ("a.bin", "b.bin")),
+                           (["--config.eval_bins=('lfw.bin', 'cfp_fp.bin')"], ("lfw.bin", "cfp_fp.bin"))]:
+        values, argv = flags.FlagValues(), ["train", *argv]
+        config_flags.DEFINE_config_file("config", str(Path(__file__).parent / "tiny.py"), flag_values=values,
+                                        sys_argv=argv)
+        values(argv)
+        assert values.config.eval_bins == expected
+
+
+def test_saved_config_reads_back_and_old_ones_get_new_defaults():
+    c = tiny_config(eval_bins=("a.bin",), model="r34")
+    again = from_json(c.to_json_best_effort())
+    assert again.eval_bins == ("a.bin",) and resume_differences(again, c) == [] and again.to_dict() == c.to_dict()
+    old = c.to_dict()
+    del old["max_bad_steps"], old["data"]["bad_records"]  # written before these keys existed
+    again = from_json(json.dumps(old))
+    assert again.max_bad_steps == base_config().max_bad_steps and again.data.bad_records == "error"
+
+
+def test_resume_refuses_what_changes_the_model_data_or_optimizer():
+    saved = tiny_config()
+    changed = tiny_config(model="r34", num_features=64, batch_size=64, seed=1, lr=0.2)
+    changed.model_kwargs.width = 32
+    assert resume_differences(saved, changed) == [
+        "batch_size: 32 → 64", "lr: 0.1 → 0.2", "model: 'r18' → 'r34'", "model_kwargs: {'width': 8} → {'width': 32}",
+        "num_features: 32 → 64", "seed: 0 → 1"]
+    moved = tiny_config(mesh_data=2, class_axes="class", eval_every=5, ckpt_every=7, chunk_size=0, remat="full")
+    moved.data.root, moved.data.threads = "/elsewhere", 1
+    assert resume_differences(saved, moved) == []
+    assert all(not k.startswith(("model", "num_", "lr", "batch", "optimizer", "seed")) for k in RESUMABLE_KEYS)
+
+
+def cli(*args):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", *args], cwd=Path(__file__).resolve().parents[1], env=env,
+                          capture_output=True, text=True, timeout=300)
+    return proc.returncode, (proc.stdout + proc.stderr).strip().splitlines()
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    code, lines = cli("jaxcls.train", "--config", "tests/tiny.py", "--config.lrr=1", "--workdir", str(tmp_path))
+    assert (code, lines) == (2, ["error: unknown config key 'lrr' (did you mean 'lr'?)"])
+    code, lines = cli("jaxcls.train", "--config", "tests/tiny.py", "--config.lr=-0.1", "--workdir", str(tmp_path))
+    assert code == 1 and lines == ["error: lr must be > 0, got -0.1 (--verbosity=1 for the traceback)"]
+    assert not (tmp_path / "config.json").exists()  # written only once the run is built and valid
+    code, lines = cli("jaxcls.eval", "--workdir", str(tmp_path))
+    assert code == 1 and len(lines) == 1 and "config.json" in lines[0], lines

@@ -34,7 +34,7 @@ def test_sets_are_the_bins_and_the_generated_heldout_pairs(tmp_path, run_and_sta
     run, _ = run_and_state
     images = np.random.default_rng(0).integers(0, 256, (8, 24, 24, 3), dtype=np.uint8)
     write_bin(tmp_path / "mini.bin", images, [True, False, True, False])
-    config = tiny_config(eval_bins=[str(tmp_path / "mini.bin")])
+    config = tiny_config(eval_bins=(str(tmp_path / "mini.bin"),))
     (name, loaded, issame), (heldout, *_) = eval_sets(config, run.source)
     assert (name, heldout) == ("mini", "heldout") and loaded.shape == (8, 16, 16, 3)  # resized to the input size
     assert issame.tolist() == [True, False, True, False]
@@ -60,7 +60,7 @@ def test_metrics_and_collapse_warning(run_and_state, caplog):
     run, state = run_and_state
     log.addHandler(caplog.handler)
     try:
-        results = Evaluator(build(tiny_config(collapse_warning=-1.0)))(state)  # any embedding "collapses"
+        results = Evaluator(build(tiny_config(collapse_warning=0.0)))(state)  # any embedding "collapses"
     finally:
         log.removeHandler(caplog.handler)
     assert set(results) == {f"val/heldout/{k}" for k in ("accuracy", "accuracy_std", "best_threshold", "xnorm",

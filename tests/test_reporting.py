@@ -29,10 +29,11 @@ def test_progress_counts_completed_steps_one_behind_the_dispatch():
     x = jnp.zeros(())
     for expected in (1, 2, 3):
         x = step(x)
-        bar.dispatched({"loss": x})
+        done = bar.dispatched({"loss": x})
         assert bar.completed == expected and len(bar.pending) == 1  # the newest step may still be running
-    bar.close()
-    assert bar.completed == 4 and not bar.pending
+        assert [(s, float(m["loss"])) for s, m in done] == ([] if expected == 1 else [(expected, expected - 1.0)])
+    assert [(s, float(m["loss"])) for s, m in bar.close()] == [(4, 3.0)]
+    assert bar.completed == 4 and not bar.pending and bar.close() == []
 
 
 def test_logging_is_quiet_for_libraries_and_plain_for_jaxcls(capsys):
