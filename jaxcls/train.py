@@ -2,100 +2,212 @@
 
 With no arguments it trains a small IResNet on a procedural many-identity image set (no download) and
 verifies on held-out identities. Writes to the workdir: ``config.json`` (the resolved config),
-``metrics.jsonl``, TensorBoard events, ``checkpoints/`` (orbax; resumed automatically).
+``metrics.jsonl``, TensorBoard events, ``checkpoints/`` (orbax), ``lock`` while it runs.
+
+A workdir with checkpoints resumes from the latest, strictly: the config may differ from the saved one only
+in ``config.RESUMABLE_KEYS`` (where and how it runs), and every array must match its checkpoint (the FC rows
+alone are re-padded for another mesh). ``--init_from WORKDIR[:STEP]`` starts a new run from another run's
+backbone (``--init_fc``: and its FC weight). SIGTERM or Ctrl-C checkpoint and exit with status 75; a run
+whose steps stay non-finite stops; a failed checkpoint save stops the run at once.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
 
 import jax
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from jaxcls import distributed
-from jaxcls.checkpoint import RunCheckpoints, check_num_classes
+from jaxcls.checkpoint import CheckpointError, RunCheckpoints
+from jaxcls.config import from_json, resume_differences
 from jaxcls.data.pipeline import device_batch
 from jaxcls.eval.evaluator import Evaluator
+from jaxcls.interrupts import Preempted, StopRequests
 from jaxcls.losses import validate_labels
 from jaxcls.mesh import batch_sharding
-from jaxcls.reporting import MetricsWriter, Progress, configure_logging, log
+from jaxcls.precision import all_finite
+from jaxcls.reporting import MetricsWriter, Progress, configure_logging, log, run_cli
 from jaxcls.run import build
+from jaxcls.workdir import WorkdirLock
 
 
-def train(config, workdir: str | os.PathLike, devices=None, progress: bool = True, stop_after: int | None = None):
+class Diverged(RuntimeError):
+    """Training cannot go on: the steps stay non-finite, or the state to be saved is."""
+
+
+def train(config, workdir: str | os.PathLike, devices=None, progress: bool = True, stop_after: int | None = None,
+          init_from: str | None = None, init_fc: bool = False):
     """Train (resuming from the workdir's latest checkpoint if any); returns ``(state, last logged metrics)``.
 
     ``stop_after`` ends the run early at that step (after checkpointing it), as an interruption would.
+    ``init_from`` ``"WORKDIR[:STEP]"``: a new run starts from that run's backbone (and FC weight if ``init_fc``).
     """
     workdir = Path(workdir).absolute()  # orbax writes only to absolute paths
-    workdir.mkdir(parents=True, exist_ok=True)
-    run = build(config, devices)
-    checkpoints = RunCheckpoints(workdir / "checkpoints", config.keep_checkpoints)
+    run = build(config, devices)  # validates the whole config first
+    lock = WorkdirLock(workdir, "jaxcls.train")
+    if jax.process_index() == 0:
+        taken_over = lock.acquire()
+        if taken_over:
+            log.warning("%s", taken_over)
+    try:
+        with StopRequests() as stop:
+            checkpoints = RunCheckpoints(workdir / "checkpoints", config.keep_checkpoints)
+            stop.starting_after(checkpoints.latest_step() or 0)
+            return _train(run, workdir, checkpoints, stop, progress, stop_after, init_from, init_fc)
+    finally:
+        if jax.process_index() == 0:
+            lock.release()
+
+
+def _train(run, workdir: Path, checkpoints: RunCheckpoints, stop: StopRequests, progress: bool, stop_after,
+           init_from, init_fc):
+    config = run.config
+    state, batches = start(run, workdir, checkpoints, init_from, init_fc)
+    start_step = int(state["step"])
+    step_fn, evaluate = run.compile_step(state), Evaluator(run)  # compiled before the barrier
+    distributed.barrier("train step compiled")  # every process starts stepping together
+    writer, sharding = MetricsWriter(workdir, resumed_step=start_step), batch_sharding(run.mesh)
+    end = config.total_steps if stop_after is None else min(stop_after, config.total_steps)
+    bar = Progress(config.total_steps, start_step, enabled=progress and jax.process_index() == 0)
+    bad, last, tick, stopped = BadSteps(config.max_bad_steps, checkpoints), {}, time.perf_counter(), False
+    try:
+        for step in range(start_step + 1, end + 1):
+            images, labels = next(batches)
+            validate_labels(labels, config.num_classes)  # host-side: a bad label stops before any device work
+            state, metrics = step_fn(state, *device_batch((images, labels), sharding))
+            bad.observe(bar.dispatched(metrics))
+            checkpoints.check()  # a save that failed in the background stops the run now
+            if step % config.log_every == 0 or step == config.total_steps:
+                last = logged_metrics(jax.device_get(metrics), step, config, time.perf_counter() - tick, bad.total,
+                                      batches.bad_records)
+                if step % config.eval_every == 0 or step == config.total_steps:
+                    last.update(evaluate(state))
+                writer.write(step, last)
+                bar.show({k: v for k, v in last.items() if "/" not in k or k.endswith("accuracy")})
+                tick = time.perf_counter()
+            stopped = stop.now(step)
+            if step % config.ckpt_every == 0 or step == end or stopped:
+                save(checkpoints, step, state, batches.get_state())
+            if stopped:
+                break
+        bad.observe(bar.close())
+    finally:  # a good save in flight completes whatever stopped the loop
+        bar.close()
+        writer.close()
+        checkpoints.close()
+    if stopped:
+        raise Preempted(f"stopped by {stop.received} after step {step}; checkpoint saved in "
+                        f"{checkpoints.directory / str(step)}: run the same command to resume")
+    return state, last
+
+
+def start(run, workdir: Path, checkpoints: RunCheckpoints, init_from: str | None, init_fc: bool):
+    """``(state, batches)`` to train from: the workdir's latest checkpoint (refused if the config changed in a
+    key outside ``RESUMABLE_KEYS`` or any array differs), else a fresh state, from ``init_from`` if given.
+    Writes ``config.json`` (process 0) once the run has been validated."""
     resuming = checkpoints.latest_step() is not None
     saved_config = workdir / "config.json"
-    if resuming and saved_config.exists():
-        # restores pad or truncate FC rows to the new mesh, so a changed class count must be caught here
-        check_num_classes(json.loads(saved_config.read_text())["num_classes"], config.num_classes)
-    distributed.barrier("config.json read")  # by every process, before process 0 replaces it
-    if jax.process_index() == 0:
-        saved_config.with_suffix(".tmp").write_text(config.to_json_best_effort(indent=2))
-        saved_config.with_suffix(".tmp").replace(saved_config)
-    batches = run.batches()
+    if resuming:
+        if not saved_config.exists():
+            raise CheckpointError(f"{workdir} has checkpoints but no config.json to check this config against")
+        differences = resume_differences(from_json(saved_config.read_text()), run.config)
+        if differences:
+            raise CheckpointError(f"{workdir} holds a run with another config ({'; '.join(differences)}): resume it "
+                                  f"with its own config, use a new workdir, or fine-tune with --init_from {workdir}")
+    batches = run.batches(bad_records_log=workdir / "bad_records.txt")
     if resuming:
         state, position = checkpoints.restore(run.abstract_state)
         batches.set_state(position)
     else:
         state = run.init_state()
-    start = int(state["step"])
-    for line in run.summary() + ([f"resumed from step {start} in {workdir}"] if resuming else [f"workdir {workdir}"]):
+        if init_from:
+            state = initialized_from(run, state, init_from, init_fc)
+    distributed.barrier("config.json read")  # by every process, before process 0 replaces it
+    if jax.process_index() == 0:
+        saved_config.with_suffix(".tmp").write_text(run.config.to_json_best_effort(indent=2))
+        saved_config.with_suffix(".tmp").replace(saved_config)
+    where = f"resumed from step {int(state['step'])} in {workdir}" if resuming else f"workdir {workdir}"
+    for line in run.summary() + [where]:
         log.info(line)
-    step_fn, evaluate = run.compile_step(state), Evaluator(run)  # compiled before the barrier
-    distributed.barrier("train step compiled")  # every process starts stepping together
-    writer, sharding = MetricsWriter(workdir, resumed_step=start), batch_sharding(run.mesh)
-    end = config.total_steps if stop_after is None else min(stop_after, config.total_steps)
-    bar = Progress(config.total_steps, start, enabled=progress and jax.process_index() == 0)
-    last, tick = {}, time.perf_counter()
-    for step in range(start + 1, end + 1):
-        images, labels = next(batches)
-        validate_labels(labels, config.num_classes)  # host-side: a bad label stops before any device work
-        state, metrics = step_fn(state, *device_batch((images, labels), sharding))
-        bar.dispatched(metrics)
-        if step % config.log_every == 0 or step == config.total_steps:
-            last = logged_metrics(jax.device_get(metrics), step, config, time.perf_counter() - tick)
-            if step % config.eval_every == 0 or step == config.total_steps:
-                last.update(evaluate(state))
-            writer.write(step, last)
-            bar.show({k: v for k, v in last.items() if "/" not in k or k.endswith("accuracy")})
-            tick = time.perf_counter()
-        if step % config.ckpt_every == 0 or step == end:
-            checkpoints.save(step, state, batches.get_state())
-    bar.close()
-    checkpoints.close()
-    writer.close()
-    return state, last
+    return state, batches
 
 
-def logged_metrics(metrics: dict, step: int, config, seconds: float) -> dict:
+def initialized_from(run, state: dict, source: str, with_fc: bool) -> dict:
+    """``state`` with the backbone (and the FC weight if ``with_fc``) of run ``source`` = ``WORKDIR[:STEP]``."""
+    directory, _, step = source.partition(":")
+    other = RunCheckpoints(Path(directory) / "checkpoints", keep=1)
+    parts = ("params", "stats") + (("weight",) if with_fc else ())
+    if with_fc:
+        classes = from_json((Path(directory) / "config.json").read_text()).num_classes
+        if classes != run.config.num_classes:
+            raise CheckpointError(f"--init_fc: {directory} has an FC of {classes} classes, this run "
+                                  f"{run.config.num_classes}")
+    restored, _ = other.restore(run.abstract_state, int(step) if step else None, parts=parts)
+    other.close()
+    log.info("initialized %s from %s", " and ".join(parts), source)
+    return {**state, **restored}
+
+
+class BadSteps:
+    """Counts the steps the train step skipped for a non-finite loss or gradient; after ``limit`` in a row the
+    run stops (``Diverged``) naming the step, lr, gradient norm and the last good checkpoint."""
+
+    def __init__(self, limit: int, checkpoints: RunCheckpoints):
+        self.limit, self.checkpoints, self.total, self.in_a_row = limit, checkpoints, 0, 0
+
+    def observe(self, completed: list[tuple[int, dict]]) -> None:
+        for step, metrics in completed:
+            if metrics["finite"]:
+                self.in_a_row = 0
+                continue
+            self.total, self.in_a_row = self.total + 1, self.in_a_row + 1
+            if self.in_a_row >= self.limit:
+                raise Diverged(f"stopped at step {step}: {self.in_a_row} steps in a row had a non-finite loss or "
+                               f"gradient (lr {float(metrics['lr']):.4g}, grad norm {float(metrics['grad_norm']):.4g},"
+                               f" loss {float(metrics['loss']):.4g}) and were skipped; {last_good(self.checkpoints)}")
+
+
+def last_good(checkpoints: RunCheckpoints) -> str:
+    step = checkpoints.latest_step()
+    return "no checkpoint yet" if step is None else f"last good checkpoint: {checkpoints.directory / str(step)}"
+
+
+def save(checkpoints: RunCheckpoints, step: int, state: dict, data_position: dict) -> None:
+    """Start saving ``state`` unless any of it is non-finite (``Diverged``: nothing non-finite is ever saved)."""
+    if not bool(_all_finite(state)):
+        raise Diverged(f"the state after step {step} holds non-finite values and was not saved; "
+                       f"{last_good(checkpoints)}")
+    checkpoints.save(step, state, data_position)
+
+
+_all_finite = jax.jit(lambda state: all_finite([x for x in jax.tree.leaves(state)
+                                                 if jax.numpy.issubdtype(x.dtype, jax.numpy.floating)]))
+
+
+def logged_metrics(metrics: dict, step: int, config, seconds: float, skipped: int, bad_records: int) -> dict:
     """The row of ``metrics.jsonl`` for a log step (``seconds`` since the previous one); warns on a bad step."""
     steps = config.log_every if step % config.log_every == 0 else step % config.log_every
     row = {k: float(metrics[k]) for k in ("loss", "lr", "grad_norm", "loss_scale")}
-    row["img_per_s"] = steps * config.batch_size / seconds
+    row.update(img_per_s=steps * config.batch_size / seconds, skipped_steps=skipped)
+    if config.data.bad_records == "skip":
+        row["bad_records"] = bad_records
     if not metrics["finite"]:
-        log.warning("step %d: non-finite loss or gradients%s", step,
-                    "; update skipped, loss scale halved" if config.precision == "float16" else "")
+        log.warning("step %d: non-finite loss or gradients; update skipped%s", step,
+                    ", loss scale halved" if config.precision == "float16" else "")
     return row
 
 
 def main(argv):
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+        raise ValueError(f"unexpected arguments {argv[1:]}")
     configure_logging(verbose=flags.FLAGS["verbosity"].present)
     distributed.initialize_from_flags()
-    _, final = train(flags.FLAGS.config, flags.FLAGS.workdir, stop_after=flags.FLAGS.stop_after)
+    f = flags.FLAGS
+    _, final = train(f.config, f.workdir, stop_after=f.stop_after, init_from=f.init_from, init_fc=f.init_fc)
     accuracies = ", ".join(f"{k.split('/')[1]} {v:.2%} ± {final[k + '_std']:.2%}"
                            for k, v in final.items() if k.endswith("/accuracy"))
     log.info("done: loss %.4g%s", final.get("loss", float("nan")), f", verification {accuracies}" if accuracies else "")
@@ -106,9 +218,11 @@ def define_flags():
     config_flags.DEFINE_config_file("config", default, "a configs/*.py file; default: the built-in procedural run")
     flags.DEFINE_string("workdir", "runs/default", "where checkpoints, metrics and the config go")
     flags.DEFINE_integer("stop_after", None, "end after this step (checkpointed), e.g. within a time-limited job")
+    flags.DEFINE_string("init_from", None, "WORKDIR[:STEP]: start a new run from that run's backbone")
+    flags.DEFINE_bool("init_fc", False, "with --init_from: take its FC weight too (same num_classes)")
     distributed.define_flags()
 
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    run_cli(main)

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from jaxcls import checkpoint, make_mesh, weight_sharding
 from jaxcls.losses import init_weight
@@ -61,4 +62,58 @@ def test_run_checkpoints_keep_the_last_and_restore_state_and_data_position(tmp_p
     restored, position = series.restore(abstract, step=20)
     assert int(restored["step"]) == 20 and position == {"position": 140}
     np.testing.assert_array_equal(restored["key"], state["key"])
+    series.close()
+
+
+def test_run_checkpoints_restore_exactly_or_name_what_differs(tmp_path, rng):
+    """Only the FC rows may differ (re-padded for the mesh); any other shape, dtype, missing or extra array is
+    refused with its name before anything is read."""
+    mesh = make_mesh(1, 8)
+    put = lambda x, sharding=None: jax.device_put(x, sharding or jax.sharding.NamedSharding(mesh, P()))
+    state = {"params": {"conv": {"kernel": put(rng.normal(size=(3, 3, 3, 8)).astype(np.float32))},
+                        "bn": {"scale": put(np.ones(8, np.float32))}},
+             "weight": put(rng.normal(size=(16, 4)).astype(np.float32), weight_sharding(mesh)), "step": put(jnp.int32(7))}
+    series = checkpoint.RunCheckpoints(tmp_path, keep=1)
+    series.save(7, state, {})
+    series.close()
+    series = checkpoint.RunCheckpoints(tmp_path, keep=1)
+    abstract = checkpoint.abstract_like(state)
+    padded = {**abstract, "weight": jax.ShapeDtypeStruct((24, 4), jnp.float32, sharding=weight_sharding(mesh))}
+    restored, _ = series.restore(padded)
+    np.testing.assert_array_equal(restored["weight"][:16], state["weight"])
+    assert not np.any(restored["weight"][16:])
+
+    wider = {**abstract, "params": {**abstract["params"], "conv": {"kernel": jax.ShapeDtypeStruct(
+        (3, 3, 3, 16), jnp.float32, sharding=abstract["params"]["conv"]["kernel"].sharding)}}}
+    with pytest.raises(checkpoint.CheckpointError, match=r"does not fit this run: params/conv/kernel: shape "
+                                                         r"\(3, 3, 3, 8\) in the checkpoint, \(3, 3, 3, 16\) in this run"):
+        series.restore(wider)
+    other_dim = {**abstract, "weight": jax.ShapeDtypeStruct((16, 8), jnp.float32, sharding=weight_sharding(mesh))}
+    with pytest.raises(checkpoint.CheckpointError, match=r"weight: shape \(16, 4\) in the checkpoint, \(16, 8\)"):
+        series.restore(other_dim)
+    halved = {**abstract, "weight": jax.ShapeDtypeStruct((16, 4), jnp.bfloat16, sharding=weight_sharding(mesh))}
+    with pytest.raises(checkpoint.CheckpointError, match="weight: dtype float32 in the checkpoint, bfloat16 in"):
+        series.restore(halved)
+    renamed = {**abstract, "params": {"conv": abstract["params"]["conv"], "norm": abstract["params"]["bn"]}}
+    with pytest.raises(checkpoint.CheckpointError, match="fit this run: params/bn/scale: in the checkpoint, not in "
+                                                         "this run; params/norm/scale: not in the checkpoint$"):
+        series.restore(renamed)
+    with pytest.raises(checkpoint.CheckpointError, match=f"no checkpoint 3 in {tmp_path}"):
+        series.restore(abstract, step=3)
+    series.close()
+
+
+def test_a_failed_save_is_one_error_naming_the_step_folder_and_leaves_nothing(tmp_path, monkeypatch):
+    series = checkpoint.RunCheckpoints(tmp_path, keep=2)
+    state = {"w": jnp.ones(4)}
+    series.save(1, state, {})
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(series.manager, "save", full)
+    with pytest.raises(checkpoint.CheckpointError, match=rf"saving checkpoint {tmp_path}/2 failed: \[Errno 28\] No "
+                                                         "space left on device"):
+        series.save(2, state, {})
+    assert series.latest_step() == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["1"]
     series.close()

@@ -5,8 +5,10 @@ import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -15,13 +17,16 @@ import numpy as np
 import pytest
 
 from conftest import COMPILATION_CACHE
+from jaxcls.checkpoint import CheckpointError, RunCheckpoints
 from jaxcls.reporting import log
-from jaxcls.train import train
+from jaxcls.run import build
+from jaxcls.train import Diverged, initialized_from, train
 from test_recordio import GLYPHS, needs_glyphs
 from tiny import get_config as tiny_config
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
+BAR = re.compile(r"\d+/\d+ \[|^\s*\d+%\|")  # tqdm redraws one line with \r
 
 
 def as_numpy(x):
@@ -67,6 +72,7 @@ def test_resume_is_exact_and_works_on_another_mesh(tmp_path, caplog):
 
     # The 8-device checkpoint of step 3 continues on 4 devices with a (2, 2) mesh.
     shutil.copytree(tmp_path / "straight" / "checkpoints" / "3", tmp_path / "moved" / "checkpoints" / "3")
+    shutil.copy(tmp_path / "straight" / "config.json", tmp_path / "moved" / "config.json")
     state, _ = train(tiny_config(sample_rate=0.5, mesh_data=2), tmp_path / "moved", progress=False,
                      devices=jax.devices()[:4])
     assert dict(state["weight"].sharding.mesh.shape) == {"data": 2, "class": 2}
@@ -74,13 +80,58 @@ def test_resume_is_exact_and_works_on_another_mesh(tmp_path, caplog):
     np.testing.assert_allclose(losses(tmp_path / "moved"), losses(tmp_path / "straight")[3:], rtol=1e-4)
 
 
-def test_relative_workdir_and_resume_with_other_class_count(tmp_path, monkeypatch):
+def test_resume_is_strict_and_init_from_takes_another_runs_backbone(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     c = tiny_config(sample_rate=0.5, total_steps=2, ckpt_every=1)  # the programs of the resume test: compiled once
     train(c, "runs/relative", progress=False)
     assert sorted(p.name for p in (tmp_path / "runs/relative/checkpoints").iterdir()) == ["1", "2"]
-    with pytest.raises(ValueError, match="checkpoint holds an FC of 64 classes, the config asks for 70"):
-        train(tiny_config(sample_rate=0.5, total_steps=4, num_classes=70), "runs/relative", progress=False)
+    saved_config = (tmp_path / "runs/relative/config.json").read_text()
+    for change, shown in [(dict(num_classes=70), "num_classes: 64 → 70"), (dict(model="r34"), "model: 'r18' → 'r34'"),
+                          (dict(num_features=64), "num_features: 32 → 64"),
+                          (dict(model_kwargs={"width": 32}), "model_kwargs: {'width': 8} → {'width': 32}"),
+                          (dict(batch_size=64), "batch_size: 32 → 64")]:
+        with pytest.raises(CheckpointError, match=rf"runs/relative holds a run with another config \({shown}; "
+                                                  r"total_steps: 2 → 4\): resume it with its own config"):
+            train(tiny_config(sample_rate=0.5, total_steps=4, **change), "runs/relative", progress=False)
+    assert (tmp_path / "runs/relative/config.json").read_text() == saved_config
+
+    # a new run (another class count) starts from step 1's backbone; the FC only with the same classes
+    run = build(tiny_config(sample_rate=0.5, num_classes=80))
+    fresh = run.init_state()
+    started = initialized_from(run, fresh, "runs/relative:1", with_fc=False)
+    source = RunCheckpoints("runs/relative/checkpoints", keep=3)
+    step1, _ = source.restore(build(c).abstract_state, 1)
+    source.close()
+    for a, b in zip(jax.tree.leaves((started["params"], started["stats"])), jax.tree.leaves((step1["params"],
+                                                                                            step1["stats"]))):
+        np.testing.assert_array_equal(as_numpy(a), as_numpy(b))
+    assert int(started["step"]) == 0 and started["weight"] is fresh["weight"]
+    with pytest.raises(CheckpointError, match="--init_fc: runs/relative has an FC of 64 classes, this run 80"):
+        initialized_from(run, fresh, "runs/relative", with_fc=True)
+    wider = build(tiny_config(model_kwargs={"width": 16}))
+    with pytest.raises(CheckpointError, match=r"relative/checkpoints/2 does not fit this run: params/\S+: shape"):
+        initialized_from(wider, {}, "runs/relative", with_fc=False)
+
+
+def test_divergence_stops_the_run_and_no_checkpoint_is_ever_non_finite(tmp_path, caplog):
+    c = tiny_config(lr=1e8, clip_grad_norm=0.0, max_bad_steps=3, total_steps=40, ckpt_every=1, keep_checkpoints=40)
+    log.addHandler(caplog.handler)
+    try:
+        with pytest.raises(Diverged, match=r"stopped at step (\d+): 3 steps in a row had a non-finite loss or gradient "
+                                           r"\(lr [\d.e+]+, grad norm nan, loss .*\) and were skipped; last good checkpoint: .*checkpoints/\d+$"):
+            train(c, tmp_path, progress=False)
+    finally:
+        log.removeHandler(caplog.handler)
+    assert "non-finite loss or gradients; update skipped" in caplog.text
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["skipped_steps"] >= 2 and rows[0]["skipped_steps"] == 0
+    series = RunCheckpoints(tmp_path / "checkpoints", keep=40)
+    run = build(c)
+    assert series.manager.all_steps()
+    for step in series.manager.all_steps():
+        state, _ = series.restore(run.abstract_state, step)
+        assert all(np.isfinite(x).all() for x in jax.tree.leaves((state["params"], state["weight"], state["opt"])))
+    series.close()
 
 
 def cli(*args):
@@ -89,9 +140,8 @@ def cli(*args):
                XLA_FLAGS="--xla_force_host_platform_device_count=8")
     proc = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
-    bar = re.compile(r"\d+/\d+ \[|^\s*\d+%\|")  # tqdm redraws one line with \r
     lines = [line.split("\r")[-1] for line in (proc.stdout + proc.stderr).splitlines()]
-    return proc.returncode, [line for line in lines if line.strip() and not bar.search(line)]
+    return proc.returncode, [line for line in lines if line.strip() and not BAR.search(line)]
 
 
 def test_cli_is_quiet_and_evaluates(tmp_path):
@@ -108,3 +158,103 @@ def test_cli_is_quiet_and_evaluates(tmp_path):
     assert lines[0] == "step 4" and lines[2].startswith("heldout"), "\n".join(lines)
     result = json.loads((tmp_path / "eval_4.json").read_text())
     assert 0.4 < result["val/heldout/accuracy"] <= 1.0 and (tmp_path / "exported" / "config.json").exists()
+
+
+def wait_for_rows(workdir, rows, proc, timeout=300):
+    """Wait until ``metrics.jsonl`` has ``rows`` rows (the subprocess is stepping)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if (workdir / "metrics.jsonl").exists() and len(losses(workdir)) >= rows:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"no {rows} metrics rows: {proc.poll()=}")
+
+
+def test_sigterm_saves_and_exits_75_and_a_second_trainer_is_refused(tmp_path):
+    flags = ["--config", "tests/tiny.py", "--workdir", str(tmp_path), "--config.total_steps=100000",
+             "--config.ckpt_every=100000", "--config.warmup_steps=1"]
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=COMPILATION_CACHE, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    first = subprocess.Popen([sys.executable, "-m", "jaxcls.train", *flags], cwd=ROOT, env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        wait_for_rows(tmp_path, 3, first)
+        code, lines = cli("jaxcls.train", *flags)
+        assert code == 1 and re.match(rf"error: {tmp_path} is in use by jaxcls.train pid {first.pid} on ", lines[-1]), lines
+        first.send_signal(signal.SIGTERM)
+        out = first.communicate(timeout=120)[0]
+    finally:
+        first.kill()
+    assert first.returncode == 75, out
+    step = int(re.search(rf"stopped by SIGTERM after step (\d+); checkpoint saved in {tmp_path}/checkpoints/(\d+): run "
+                         r"the same command to resume", out)[1])
+    assert step >= 3 and sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [str(step)]
+    assert not (tmp_path / "lock").exists() and "Traceback (most recent call last)" not in out
+
+
+def test_signals_once_request_a_stop_and_a_second_ctrl_c_aborts():
+    """``StopRequests`` in a process of its own (signal handlers belong to the main thread)."""
+    script = """
+import os, signal
+from jaxcls.interrupts import StopRequests
+with StopRequests() as stop:
+    assert not stop.now(1)
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert stop.now(1) and stop.received == "SIGTERM"
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+    except KeyboardInterrupt:
+        print("aborted")
+assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 0 and proc.stdout.strip() == "aborted", proc.stderr
+    assert "SIGTERM: finishing this step, then saving a checkpoint (Ctrl-C again to abort)" in proc.stderr
+
+
+def test_a_full_disk_stops_the_run_at_once_with_one_error_and_no_partial_checkpoint(tmp_path):
+    """A file size limit makes every checkpoint write fail as a full disk would (EFBIG instead of ENOSPC)."""
+
+    # a write past the limit then fails (EFBIG) instead of killing the process (SIGXFSZ)
+    small_files = ("import resource, runpy, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+                   "resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000)); sys.argv[0] = 'jaxcls.train'; "
+                   "runpy.run_module('jaxcls.train', run_name='__main__')")
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=COMPILATION_CACHE, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    proc = subprocess.run([sys.executable, "-c", small_files, "--config", "tests/tiny.py", "--workdir", str(tmp_path),
+                           "--config.ckpt_every=2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    lines = [line.split("\r")[-1] for line in proc.stderr.splitlines()]
+    lines = [line for line in lines if line.strip() and not BAR.search(line)]
+    errors = [line for line in lines if line.startswith("error")]  # (the compilation cache warns it cannot write)
+    assert proc.returncode == 1 and len(errors) == 1, "\n".join(lines)
+    assert re.match(rf"error: saving checkpoint {tmp_path}/checkpoints/2 failed: .*File too large", errors[0])
+    assert "Traceback (most recent call last)" not in proc.stderr and len(lines) < 15, "\n".join(lines)
+    assert list((tmp_path / "checkpoints").iterdir()) == []
+    assert max(json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()) <= 4
+
+
+def test_bad_records_stop_the_run_naming_the_file_or_are_skipped_listed_and_counted(tmp_path):
+    """A folder of the tiny run's 64 classes, one image each (an epoch per 2 steps), one of them a truncated PNG."""
+    from PIL import Image
+
+    from jaxcls.data.recordio import DataError
+    from jaxcls.data.sources import ProceduralGlyphs
+
+    glyphs = ProceduralGlyphs(num_classes=64, images_per_class=1, size=16, strokes=4)
+    for k in range(64):
+        (tmp_path / "data" / f"c{k:02d}").mkdir(parents=True)
+        Image.fromarray(glyphs.image(k, 0)).save(tmp_path / "data" / f"c{k:02d}" / "0.png")
+    broken = tmp_path / "data" / "c17" / "0.png"
+    broken.write_bytes(broken.read_bytes()[:-30])
+    c = tiny_config(total_steps=2, warmup_steps=1)
+    c.data.kind, c.data.root = "folder", str(tmp_path / "data")
+    with pytest.raises(DataError, match=rf"{broken}: cannot decode image"):
+        train(c, tmp_path / "strict", progress=False)
+    c.data.bad_records = "skip"
+    train(c, tmp_path / "skipping", progress=False)
+    # listed each time it is decoded (the pipeline reads ahead, here into later epochs); counted when trained past
+    listed = (tmp_path / "skipping/bad_records.txt").read_text().splitlines()
+    assert listed and {line.split(": ")[0] for line in listed} == {str(broken)}
+    rows = [json.loads(line) for line in (tmp_path / "skipping/metrics.jsonl").read_text().splitlines()]
+    assert [r["bad_records"] for r in rows] == [0, 1] or [r["bad_records"] for r in rows] == [1, 1]

@@ -8,19 +8,21 @@ prints and writes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
 import jax
-import ml_collections
-from absl import app, flags
+from absl import flags
 
 from jaxcls import distributed
 from jaxcls.checkpoint import RunCheckpoints
+from jaxcls.config import from_json
 from jaxcls.eval.evaluator import Evaluator
 from jaxcls.export import export_backbone
-from jaxcls.reporting import configure_logging
+from jaxcls.reporting import configure_logging, run_cli
 from jaxcls.run import build
+from jaxcls.workdir import WorkdirLock, WorkdirLocked
 
 flags.DEFINE_string("workdir", None, "the training run's workdir", required=True)
 flags.DEFINE_multi_string("bin", [], "verification .bin files (default: the run's own eval sets)")
@@ -34,23 +36,38 @@ def main(argv):
     configure_logging(verbose=FLAGS["verbosity"].present)
     distributed.initialize_from_flags()
     workdir = Path(FLAGS.workdir).absolute()
-    config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
+    config = from_json((workdir / "config.json").read_text())
     if FLAGS.bin:
-        config.eval_bins = list(FLAGS.bin)
+        config.eval_bins = tuple(FLAGS.bin)
     run = build(config, with_data=False)
     checkpoints = RunCheckpoints(workdir / "checkpoints", config.keep_checkpoints)
-    if checkpoints.latest_step() is None:
-        raise SystemExit(f"no checkpoint in {workdir / 'checkpoints'}")
     state, _ = checkpoints.restore(run.abstract_state, FLAGS.step)
     step = int(state["step"])
     results = Evaluator(run)(state)
     if jax.process_index() == 0:
-        report(step, results, workdir / f"eval_{step}.json")
+        with holding(workdir):
+            report(step, results, workdir / f"eval_{step}.json")
     if FLAGS.export:
         export_backbone(config, state, FLAGS.export)  # every process writes its part
         if jax.process_index() == 0:
             print(f"exported the backbone to {FLAGS.export}")
     checkpoints.close()
+
+
+@contextlib.contextmanager
+def holding(workdir: Path):
+    """The workdir's lock while the results are written, so no trainer starts meanwhile; a running trainer
+    keeps its lock (the results are a file of their own)."""
+    lock = WorkdirLock(workdir, "jaxcls.eval")
+    try:
+        lock.acquire()
+    except WorkdirLocked:
+        yield
+        return
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def report(step: int, results: dict, out: Path) -> None:
@@ -67,4 +84,4 @@ def report(step: int, results: dict, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    run_cli(main)

@@ -1,0 +1,53 @@
+"""The workdir lock: a live holder is refused by name, a dead or silent one is taken over."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jaxcls import workdir
+from jaxcls.workdir import WorkdirLock, WorkdirLocked
+
+HOLD = "import sys, time; from jaxcls.workdir import WorkdirLock; WorkdirLock(sys.argv[1], 'holder').acquire(); " \
+       "print('held', flush=True); time.sleep(600)"
+
+
+def test_a_second_program_is_refused_naming_the_holder_until_it_ends(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(WorkdirLocked, match=rf"{tmp_path} is in use by holder pid {holder.pid} on "
+                                                rf"{socket.gethostname()} since 20\d\d-"):
+            WorkdirLock(tmp_path, "second").acquire()
+    finally:
+        holder.kill()  # as kill -9: the lock file stays behind, naming a dead process
+        holder.wait()
+    assert json.loads((tmp_path / "lock").read_text())["pid"] == holder.pid
+    lock = WorkdirLock(tmp_path, "second")
+    assert lock.acquire().startswith(f"took over the stale lock of holder pid {holder.pid} on {socket.gethostname()}")
+    assert json.loads((tmp_path / "lock").read_text())["pid"] == os.getpid()
+    lock.release()
+    assert not (tmp_path / "lock").exists()
+
+
+def test_a_holder_on_another_host_counts_while_it_refreshes_the_lock(tmp_path):
+    (tmp_path / "lock").write_text(json.dumps({"what": "jaxcls.train", "host": "node-17", "pid": 1, "started": 0}))
+    with pytest.raises(WorkdirLocked, match="jaxcls.train pid 1 on node-17"):
+        WorkdirLock(tmp_path, "train").acquire()
+    silent = time.time() - workdir.STALE_AFTER - 1
+    os.utime(tmp_path / "lock", (silent, silent))
+    lock = WorkdirLock(tmp_path, "train")
+    assert "took over the stale lock of jaxcls.train pid 1 on node-17" in lock.acquire()
+    lock.release()
+
+
+def test_release_leaves_a_lock_taken_over_by_another(tmp_path):
+    lock = WorkdirLock(tmp_path, "train")
+    lock.acquire()
+    (tmp_path / "lock").write_text(json.dumps({"host": "node-17", "pid": 1}))
+    lock.release()
+    assert (tmp_path / "lock").exists()
