@@ -150,7 +150,8 @@ def from_json(text: str) -> ml_collections.ConfigDict:
     def merge(node, values, prefix):
         for key, value in values.items():
             name = prefix + key
-            if isinstance(value, dict) and name not in FREE_FORM and isinstance(node.get(key), ml_collections.ConfigDict):
+            nested = isinstance(node.get(key), ml_collections.ConfigDict) and name not in FREE_FORM
+            if isinstance(value, dict) and nested:
                 merge(node[key], value, name + ".")
             else:
                 node[key] = tuple(value) if isinstance(value, list) else value

@@ -61,8 +61,9 @@ class DynamicLossScale:
 
 
 def all_finite(tree) -> jax.Array:
-    """True when every element of every leaf is finite."""
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+    """True when every element of every floating-point leaf is finite (other leaves, e.g. PRNG keys, don't count)."""
+    checks = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(checks)) if checks else jnp.bool_(True)
 
 
 def select_tree(pred, on_true, on_false):

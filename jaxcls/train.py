@@ -153,7 +153,7 @@ def initialized_from(run, state: dict, source: str, with_fc: bool) -> dict:
 
 
 class BadSteps:
-    """Counts the steps the train step skipped for a non-finite loss or gradient; after ``limit`` in a row the
+    """Counts the steps the train step skipped (non-finite loss, gradient or update); after ``limit`` in a row the
     run stops (``Diverged``) naming the step, lr, gradient norm and the last good checkpoint."""
 
     def __init__(self, limit: int, checkpoints: RunCheckpoints):
@@ -166,9 +166,10 @@ class BadSteps:
                 continue
             self.total, self.in_a_row = self.total + 1, self.in_a_row + 1
             if self.in_a_row >= self.limit:
-                raise Diverged(f"stopped at step {step}: {self.in_a_row} steps in a row had a non-finite loss or "
-                               f"gradient (lr {float(metrics['lr']):.4g}, grad norm {float(metrics['grad_norm']):.4g},"
-                               f" loss {float(metrics['loss']):.4g}) and were skipped; {last_good(self.checkpoints)}")
+                lr, norm, loss = (float(metrics[k]) for k in ("lr", "grad_norm", "loss"))
+                raise Diverged(f"stopped at step {step}: {self.in_a_row} steps in a row had a non-finite loss, "
+                               f"gradient or update (lr {lr:.4g}, grad norm {norm:.4g}, loss {loss:.4g}) and were "
+                               f"skipped; {last_good(self.checkpoints)}")
 
 
 def last_good(checkpoints: RunCheckpoints) -> str:
@@ -178,14 +179,14 @@ def last_good(checkpoints: RunCheckpoints) -> str:
 
 def save(checkpoints: RunCheckpoints, step: int, state: dict, data_position: dict) -> None:
     """Start saving ``state`` unless any of it is non-finite (``Diverged``: nothing non-finite is ever saved)."""
-    if not bool(_all_finite(state)):
-        raise Diverged(f"the state after step {step} holds non-finite values and was not saved; "
-                       f"{last_good(checkpoints)}")
+    bad = [k for k, finite in jax.device_get(_finite_parts(state)).items() if not finite]
+    if bad:
+        raise Diverged(f"the state after step {step} holds non-finite values (in {', '.join(sorted(bad))}) and was "
+                       f"not saved; {last_good(checkpoints)}")
     checkpoints.save(step, state, data_position)
 
 
-_all_finite = jax.jit(lambda state: all_finite([x for x in jax.tree.leaves(state)
-                                                 if jax.numpy.issubdtype(x.dtype, jax.numpy.floating)]))
+_finite_parts = jax.jit(lambda state: {k: all_finite(v) for k, v in state.items()})
 
 
 def logged_metrics(metrics: dict, step: int, config, seconds: float, skipped: int, bad_records: int) -> dict:
@@ -196,7 +197,7 @@ def logged_metrics(metrics: dict, step: int, config, seconds: float, skipped: in
     if config.data.bad_records == "skip":
         row["bad_records"] = bad_records
     if not metrics["finite"]:
-        log.warning("step %d: non-finite loss or gradients; update skipped%s", step,
+        log.warning("step %d: non-finite loss, gradient or update; update skipped%s", step,
                     ", loss scale halved" if config.precision == "float16" else "")
     return row
 

@@ -43,8 +43,9 @@ class Trainer:
         """One update on a global batch ``images`` uint8 ``[B, S, S, 3]``, ``labels`` int32 ``[B]``.
 
         Backbone forward → fused FC step (loss, d loss/d embeddings, sparse FC update) → backbone backward.
-        A non-finite loss, backbone gradient or new backbone parameter skips the backbone update, and the FC
-        skips its update when the loss or the embeddings are non-finite (``metrics["finite"]`` is false). With
+        A non-finite loss, backbone gradient, new backbone parameter or BatchNorm statistic skips the backbone
+        update, and the FC skips its update when the loss or the embeddings are non-finite (``metrics["finite"]``
+        is false). With
         float16 the FC update waits for the backbone gradients too, so an overflowing step changes nothing but
         the loss scale (the FC pass then runs twice).
         """
@@ -62,7 +63,7 @@ class Trainer:
         updates, opt = self.tx.update(g_params, state["opt"], state["params"])
         updates = jax.tree.map(lambda u: lr * u, updates)
         new = {"params": optax.apply_updates(state["params"], updates), "opt": opt, "stats": stats}
-        finite = finite & all_finite(new["params"])
+        finite = finite & all_finite((new["params"], new["stats"]))  # huge activations overflow BN statistics
         new = select_tree(finite, new, {k: state[k] for k in new})  # a skipped step keeps the backbone as it was
         new.update(weight=weight, fc_opt=fc_opt, step=state["step"] + 1, key=state["key"],
                    scale=self.scaler.adjust(scale, finite))
