@@ -23,6 +23,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxcls.reporting import one_line
+
 
 def _handler() -> ocp.PyTreeCheckpointHandler:
     """Orbax's pytree handler, each array written by its first replica: orbax would otherwise, on every backend
@@ -133,8 +135,7 @@ class RunCheckpoints:
             for partial in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
                 shutil.rmtree(partial, ignore_errors=True)
         self.manager.reload()
-        cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise CheckpointError(f"saving checkpoint {self.directory / str(step)} failed: {cause}") from error
+        raise CheckpointError(f"saving checkpoint {self.directory / str(step)} failed: {one_line(error)}") from error
 
     def check(self, wait: bool = False) -> None:
         """Raise ``CheckpointError`` if the save in flight has failed (``wait``: wait for it to end first)."""
@@ -145,10 +146,6 @@ class RunCheckpoints:
         except Exception as e:  # orbax re-raises whatever its writer thread met (OSError, tensorstore errors, ...)
             self._failed(self.saving, e)
         self.saving = None
-
-    def mismatches(self, abstract_state: dict, step: int) -> list[str]:
-        """``mismatches`` between checkpoint ``step``'s state and ``abstract_state``."""
-        return mismatches(self.manager.item_metadata(step)["state"], abstract_state)
 
     def restore(self, abstract_state: dict, step: int | None = None, parts: tuple[str, ...] | None = None):
         """``(state, data position)`` of ``step`` (default: the latest) placed as ``abstract_state`` says, which
