@@ -1,37 +1,101 @@
-"""Backbone-only export for inference: parameters and BatchNorm statistics, with the config to rebuild it."""
+"""A trained backbone out of JAX: ONNX (onnxruntime, TensorRT, insightface's model zoo) and serialized StableHLO.
+
+``python -m jaxcls.export --workdir runs/x [--step N] --onnx model.onnx [--jax model.jaxexport]``
+
+Both files take what arcface_torch's exported models take: float32 ``[B, 3, S, S]`` NCHW RGB images normalised as
+``(x/255 − 0.5)/0.5`` outside the model, any batch size ``B``; both return un-normalised float32 embeddings
+``[B, D]``. The backbone runs in eval mode and in float32 whatever precision it trained in. ONNX is written by
+``jax2onnx`` from the model's jaxpr (every backbone's primitives convert as they are; no plugin was needed);
+``.jaxexport`` is ``jax.export``'s serialization for CPU and CUDA, reloaded with ``load_jax_export``.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
+import warnings
 from pathlib import Path
 
 import jax
-from flax import nnx
+import jax.numpy as jnp
+from absl import flags
 
-from jaxcls import checkpoint as ckpt
-from jaxcls.config import from_json
-from jaxcls.run import make_model, split_model
+import jaxcls
+from jaxcls.inference import deployed, optional_import, restore_backbone
+from jaxcls.reporting import configure_logging, run_cli
 
-
-def export_backbone(config, state: dict, out: str | os.PathLike) -> None:
-    """Write ``out/config.json`` and ``out/backbone`` (params + stats as global arrays, replicated).
-
-    With several processes every one calls this (each writes its part; process 0 the config)."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    if jax.process_index() == 0:
-        (out / "config.json").write_text(config.to_json_best_effort(indent=2))
-    ckpt.save(out / "backbone", {"params": state["params"], "stats": state["stats"]})
+ONNX_OPSET = 17  # the lowest that holds every op the backbones need; TensorRT 8.6+ and onnxruntime 1.12+ read it
+INPUT = "float32 [B, 3, S, S] NCHW RGB, (x/255 - 0.5)/0.5"
 
 
-def load_backbone(path: str | os.PathLike) -> nnx.Module:
-    """The exported backbone in eval mode: ``model(float images [N, S, S, 3] in [-1, 1]) -> [N, D]``."""
-    path = Path(path)
-    config = from_json((path / "config.json").read_text())
-    graphdef, params, stats = split_model(nnx.eval_shape(lambda: make_model(config)))
-    on_device = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-        x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])), tree)
-    restored = ckpt.restore(path / "backbone", {"params": on_device(params), "stats": on_device(stats)})
-    model = nnx.merge(graphdef, restored["params"], restored["stats"])
-    model.eval()
-    return model
+def export_onnx(model, path: str | os.PathLike, input_size: int, metadata: dict | None = None):
+    """Write ``model`` (eval mode) as ONNX to ``path``: input ``images`` ``[B, 3, S, S]`` with ``B`` dynamic, output
+    ``embeddings`` ``[B, D]``; producer jaxcls, opset ``ONNX_OPSET``, ``metadata`` as metadata properties."""
+    jax2onnx = optional_import("jax2onnx", "export")
+    onnx = optional_import("onnx", "export")
+    # quiet: notes per constant on untyped shape values, and tracebacks of plugins for libraries not installed here
+    for logger in ("onnx_ir.serde", "jax2onnx.plugins.plugin_system"):
+        logging.getLogger(logger).setLevel(logging.ERROR)
+    with warnings.catch_warnings():  # its Flax plugins read variables through the deprecated `.value`
+        warnings.simplefilter("ignore", DeprecationWarning)
+        proto = jax2onnx.to_onnx(deployed(model), [("B", 3, input_size, input_size)], model_name="jaxcls",
+                                 opset=ONNX_OPSET, input_names=["images"], output_names=["embeddings"])
+    proto.producer_name, proto.producer_version = "jaxcls", jaxcls.__version__
+    properties = {"input": INPUT, "output": "float32 [B, D] embeddings, not normalised",
+                  "converter": f"jax2onnx {_version('jax2onnx')}", **(metadata or {})}
+    onnx.helper.set_model_props(proto, {k: str(v) for k, v in properties.items()})
+    onnx.checker.check_model(proto)
+    onnx.save(proto, str(path))
+    return proto
+
+
+def export_jax(model, path: str | os.PathLike, input_size: int, platforms=("cpu", "cuda")) -> jax.export.Exported:
+    """Write ``model`` (eval mode) as serialized StableHLO to ``path``, weights included, batch size symbolic."""
+    batch, = jax.export.symbolic_shape("B")
+    images = jax.ShapeDtypeStruct((batch, 3, input_size, input_size), jnp.float32)
+    exported = jax.export.export(jax.jit(deployed(model)), platforms=platforms)(images)
+    Path(path).write_bytes(exported.serialize())
+    return exported
+
+
+def load_jax_export(path: str | os.PathLike):
+    """``f(float32 [B, 3, S, S] normalised) -> [B, D]`` from a ``.jaxexport`` file."""
+    return jax.export.deserialize(bytearray(Path(path).read_bytes())).call
+
+
+def export_run(workdir: str | os.PathLike, step: int | None = None, onnx: str | None = None,
+               jax_export: str | None = None) -> int:
+    """Export checkpoint ``step`` (default: the latest) of run ``workdir`` to the given files; returns the step."""
+    if not onnx and not jax_export:
+        raise ValueError("nothing to export: give an .onnx path, a .jaxexport path or both")
+    model, config, step = restore_backbone(workdir, step)
+    size = config.data.input_size
+    if onnx:
+        export_onnx(model, onnx, size, {"model": config.model, "embedding_size": config.num_features,
+                                        "input_size": size, "workdir": Path(workdir).absolute(), "step": step})
+    if jax_export:
+        export_jax(model, jax_export, size)
+    return step
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+    return version(package)
+
+
+def main(argv):
+    del argv
+    configure_logging(verbose=flags.FLAGS["verbosity"].present)
+    f = flags.FLAGS
+    step = export_run(f.workdir, f.step, f.onnx, f.jax)
+    for path in (f.onnx, f.jax):
+        if path:
+            print(f"wrote {path} (step {step}, {os.path.getsize(path) / 2**20:.1f} MiB)")
+
+
+if __name__ == "__main__":
+    flags.DEFINE_string("workdir", None, "the training run's workdir", required=True)
+    flags.DEFINE_integer("step", None, "checkpoint step (default: latest)")
+    flags.DEFINE_string("onnx", None, "write an ONNX model here")
+    flags.DEFINE_string("jax", None, "write serialized StableHLO (jax.export) here")
+    run_cli(main)

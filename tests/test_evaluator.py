@@ -64,6 +64,7 @@ def test_metrics_and_collapse_warning(run_and_state, caplog):
     finally:
         log.removeHandler(caplog.handler)
     assert set(results) == {f"val/heldout/{k}" for k in ("accuracy", "accuracy_std", "best_threshold", "xnorm",
-                                                          "mean_cosine")}
+                                                          "mean_cosine", "auc", "impostor_pairs", "tar@far=1e-01",
+                                                          "tar@far=1e-02")}  # 300 impostor pairs: FAR ≥ 1/300
     assert 0.0 <= results["val/heldout/accuracy"] <= 1.0 and results["val/heldout/xnorm"] > 0
     assert "embedding collapse on heldout" in caplog.text

@@ -1,23 +1,118 @@
-"""Backbone-only export: what ``load_backbone`` rebuilds embeds exactly as the run's eval mode."""
+"""Export: ONNX in onnxruntime and serialized StableHLO embed real glyph images as the run's backbone does."""
 
+import importlib.util
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxcls.config import base_config
 from jaxcls.data.pipeline import normalize
-from jaxcls.eval.evaluator import Evaluator
-from jaxcls.export import export_backbone, load_backbone
-from jaxcls.run import build
-from tiny import get_config as tiny_config
+from jaxcls.data.recordio import MXFaceDataset
+from jaxcls.export import ONNX_OPSET, export_run, load_jax_export
+from jaxcls.inference import OnnxEmbedder, restore_backbone
+from test_recordio import GLYPHS, needs_glyphs
+from tiny import saved_run
 
-pytestmark = pytest.mark.slow  # compiles a run's initializer and its eval-mode backbone
+pytestmark = [pytest.mark.slow,  # compiles and converts whole backbones
+              pytest.mark.skipif(importlib.util.find_spec("jax2onnx") is None,
+                                 reason="jax2onnx is not installed: pip install --no-deps jax2onnx")]
+onnx = pytest.importorskip("onnx", reason="the export extra is not installed: pip install -e '.[export]'")
+
+BACKBONES = {  # narrow versions of each family, at the deployed 112×112 input
+    "r18": ("r18", dict(width=16)),
+    "r50": ("r50", dict(width=8)),
+    "mbf": ("mbf", {}),
+    "vit_t": ("vit_t", {}),
+}
 
 
-def test_exported_backbone_gives_the_runs_eval_embeddings(tmp_path):
-    config = tiny_config()
-    run = build(config)
-    state = run.init_state()
-    export_backbone(config, state, tmp_path / "exported")
-    model = load_backbone(tmp_path / "exported")
-    images = np.random.default_rng(0).integers(0, 256, (8, 16, 16, 3), dtype=np.uint8)
-    np.testing.assert_allclose(model(normalize(images)), Evaluator(run).embed(state, images), rtol=1e-5, atol=1e-6)
-    assert sorted(p.name for p in (tmp_path / "exported").iterdir()) == ["backbone", "config.json"]
+def backbone_config(name, **overrides):
+    model, kwargs = BACKBONES[name]
+    c = base_config()
+    c.model, c.model_kwargs, c.num_features, c.num_classes, c.batch_size = model, kwargs, 64, 1000, 8
+    c.data.input_size = 112
+    c.update(overrides)
+    return c
+
+
+def glyph_images(n):
+    data = MXFaceDataset(GLYPHS)
+    return np.stack([data[i * 997 % len(data)][0] for i in range(n)])
+
+
+def agreement(got, want):
+    cosine = np.sum(got * want, 1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+    return cosine.min(), np.max(np.abs(got - want) / np.abs(want).max(1, keepdims=True))
+
+
+def as_input(images):
+    """uint8 NHWC → the exported models' float32 NCHW in [-1, 1]."""
+    return np.transpose((images.astype(np.float32) / 255 - 0.5) / 0.5, (0, 3, 1, 2))
+
+
+@needs_glyphs
+@pytest.mark.parametrize("name", sorted(BACKBONES))
+def test_onnx_and_jax_export_embed_glyphs_as_the_backbone(name, tmp_path, rng):
+    saved_run(tmp_path / "run", backbone_config(name), rng)
+    export_run(tmp_path / "run", onnx=tmp_path / "m.onnx", jax_export=tmp_path / "m.jaxexport")
+    model, _, _ = restore_backbone(tmp_path / "run")
+    images = glyph_images(7)
+    want = np.asarray(jax.jit(lambda x: model(normalize(x)))(images), np.float64)
+    onnx_embed, from_stablehlo = OnnxEmbedder(tmp_path / "m.onnx"), load_jax_export(tmp_path / "m.jaxexport")
+    for batch in (images[:1], images):  # one file, any batch size
+        n = len(batch)
+        for got in (onnx_embed(batch), np.asarray(from_stablehlo(as_input(batch)))):
+            assert got.shape == (n, 64) and got.dtype == np.float32
+            cosine, relative = agreement(got.astype(np.float64), want[:n])
+            print(f"{name} batch {n}: min cosine {cosine:.9f}, max relative error {relative:.2e}")
+            assert cosine >= 0.99999 and relative <= 1e-4
+
+
+def test_onnx_file_records_its_interface_and_a_bfloat16_run_exports_float32(tmp_path, rng):
+    saved_run(tmp_path / "run", backbone_config("r18", precision="bfloat16"), rng)
+    step = export_run(tmp_path / "run", onnx=tmp_path / "m.onnx")
+    proto = onnx.load(str(tmp_path / "m.onnx"))
+    assert step == 1 and proto.producer_name == "jaxcls"
+    assert [(o.domain, o.version) for o in proto.opset_import] == [("", ONNX_OPSET)]
+    props = {p.key: p.value for p in proto.metadata_props}
+    assert props["model"] == "r18" and props["step"] == "1" and props["converter"].startswith("jax2onnx ")
+    (inp,), (out,) = proto.graph.input, proto.graph.output
+    dims = lambda v: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+    assert inp.name == "images" and dims(inp) == ["B", 3, 112, 112] and dims(out) == ["B", 64]
+    float32 = onnx.TensorProto.FLOAT
+    assert inp.type.tensor_type.elem_type == out.type.tensor_type.elem_type == float32
+    other_floats = {onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
+    assert float32 in {t.data_type for t in proto.graph.initializer}
+    assert not other_floats & {t.data_type for t in proto.graph.initializer}
+    assert not [n for n in proto.graph.node if n.op_type == "Cast" and
+                any(a.name == "to" and a.i in other_floats for a in n.attribute)]
+    # the float32 export of bfloat16-trained weights: what the float32 backbone computes, not bfloat16's rounding
+    images = rng.integers(0, 256, (3, 112, 112, 3), dtype=np.uint8)
+    model32, _, _ = restore_backbone(tmp_path / "run")
+    model16, _, _ = restore_backbone(tmp_path / "run", dtype=jnp.bfloat16)
+    got = OnnxEmbedder(tmp_path / "m.onnx")(images).astype(np.float64)
+    want32, want16 = (np.asarray(m(normalize(images)), np.float64) for m in (model32, model16))
+    assert agreement(got, want32)[1] <= 1e-4 < agreement(got, want16)[1]
+
+
+def test_export_cli_and_its_errors(tmp_path, rng):
+    saved_run(tmp_path / "run", backbone_config("mbf", num_features=32), rng)
+    cli = lambda *args: subprocess.run([sys.executable, "-m", "jaxcls.export", *args], capture_output=True,
+                                       text=True, timeout=600)
+    done = cli("--workdir", str(tmp_path / "run"), "--jax", str(tmp_path / "m.jaxexport"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"wrote {tmp_path / 'm.jaxexport'} (step 1" in done.stdout
+    images = rng.integers(0, 256, (2, 112, 112, 3), dtype=np.uint8)
+    model, _, _ = restore_backbone(tmp_path / "run")
+    got = np.asarray(load_jax_export(tmp_path / "m.jaxexport")(as_input(images)), np.float64)
+    assert agreement(got, np.asarray(model(normalize(images)), np.float64))[1] <= 1e-4
+    for args, message in [((), "nothing to export"), (("--step", "5", "--onnx", "x.onnx"), "no checkpoint 5 in"),
+                          (("--onnx", "x.onnx"), "is not a jaxcls run")]:
+        workdir = tmp_path / ("run" if message != "is not a jaxcls run" else "nothing")
+        failed = cli("--workdir", str(workdir), *args)
+        assert failed.returncode == 1 and message in failed.stderr, failed.stderr[-2000:]
+        assert failed.stderr.count("\n") <= 3  # one line, no traceback

@@ -154,11 +154,13 @@ def test_cli_is_quiet_and_evaluates(tmp_path):
     assert not any(re.match(r"[IW]\d{4} ", line) for line in lines), "absl INFO lines leaked:\n" + "\n".join(lines)
     assert lines[0].startswith("model r18") and re.search(r"done: loss [\d.]+, verification heldout", lines[-1])
 
-    code, lines = cli("jaxcls.eval", "--workdir", str(tmp_path), "--export", str(tmp_path / "exported"))
+    code, lines = cli("jaxcls.eval", "--workdir", str(tmp_path), "--roc")
     assert code == 0, "\n".join(lines)
     assert lines[0] == "step 4" and lines[2].startswith("heldout"), "\n".join(lines)
+    assert "TAR@1e-04" in lines[1] and "heldout: TAR at FAR 1e-03, 1e-04 not measured: 300 impostor pairs" in "\n".join(lines)
     result = json.loads((tmp_path / "eval_4.json").read_text())
-    assert 0.4 < result["val/heldout/accuracy"] <= 1.0 and (tmp_path / "exported" / "config.json").exists()
+    assert 0.4 < result["val/heldout/accuracy"] <= 1.0 and 0 <= result["val/heldout/tar@far=1e-01"] <= 1
+    assert (tmp_path / "roc_4.png").read_bytes().startswith(b"\x89PNG")
 
 
 def wait_for_rows(workdir, rows, proc, timeout=300):

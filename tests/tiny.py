@@ -18,3 +18,33 @@ def get_config(**overrides):
     c.data.threads = 2
     c.update(overrides)
     return c
+
+
+def saved_run(workdir, config, rng=None, step=1):
+    """``workdir`` holding ``config`` and checkpoint ``step`` of its freshly initialized state (one device), as the
+    trainer leaves it; with ``rng`` the BatchNorm statistics are drawn at random (mean ~ N(0, 0.3), var ~ U(0.5, 2)),
+    so that eval mode differs from a batch's statistics."""
+    from pathlib import Path
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxcls.checkpoint import RunCheckpoints
+    from jaxcls.run import build
+
+    state = build(config, devices=jax.devices()[:1], with_data=False).init_state()
+    if rng is not None:
+        def draw(path, x):
+            name = str(path[-1])
+            if not jnp.issubdtype(x.dtype, jnp.floating):
+                return x
+            if "mean" in name:
+                return jnp.asarray(rng.normal(0, 0.3, x.shape), x.dtype)
+            return jnp.asarray(rng.uniform(0.5, 2, x.shape), x.dtype) if "var" in name else x
+        state["stats"] = jax.tree_util.tree_map_with_path(draw, state["stats"])
+    Path(workdir).mkdir(parents=True, exist_ok=True)
+    (Path(workdir) / "config.json").write_text(config.to_json_best_effort(indent=2))
+    checkpoints = RunCheckpoints(Path(workdir) / "checkpoints", keep=2)
+    checkpoints.save(step, state, {})
+    checkpoints.close()
+    return state

@@ -1,7 +1,8 @@
 """Verification of a trained run: ``python -m jaxcls.eval --workdir runs/x --bin lfw.bin [--bin b.bin]``.
 
 Loads the run's resolved config and its latest (or ``--step``) checkpoint onto the devices here, prints a
-table and writes ``<workdir>/eval_<step>.json``. ``--export DIR`` also writes the backbone alone. Over several
+table (accuracy as insightface, AUC, TAR at FAR) and writes ``<workdir>/eval_<step>.json``; ``--roc`` also draws
+the sets' ROC curves to ``<workdir>/roc_<step>.png`` (matplotlib). IJB-B/C: ``python -m jaxcls.eval.ijb``. Over several
 processes it launches like the trainer (``--distributed`` and the flags of ``jaxcls.distributed``); process 0
 prints and writes.
 """
@@ -19,7 +20,8 @@ from jaxcls import distributed
 from jaxcls.checkpoint import RunCheckpoints
 from jaxcls.config import from_json
 from jaxcls.eval.evaluator import Evaluator
-from jaxcls.export import export_backbone
+from jaxcls.eval.roc import far_key, plot_roc, roc_curve, unmeasurable
+from jaxcls.eval.verification import FARS, l2_normalize, pair_cosines
 from jaxcls.reporting import configure_logging, run_cli
 from jaxcls.run import build
 from jaxcls.workdir import WorkdirLock, WorkdirLocked
@@ -27,7 +29,7 @@ from jaxcls.workdir import WorkdirLock, WorkdirLocked
 flags.DEFINE_string("workdir", None, "the training run's workdir", required=True)
 flags.DEFINE_multi_string("bin", [], "verification .bin files (default: the run's own eval sets)")
 flags.DEFINE_integer("step", None, "checkpoint step (default: latest)")
-flags.DEFINE_string("export", None, "also export the backbone to this folder")
+flags.DEFINE_bool("roc", False, "also plot the ROC curves to <workdir>/roc_<step>.png (needs matplotlib)")
 distributed.define_flags()
 FLAGS = flags.FLAGS
 
@@ -43,14 +45,17 @@ def main(argv):
     checkpoints = RunCheckpoints(workdir / "checkpoints", config.keep_checkpoints)
     state, _ = checkpoints.restore(run.abstract_state, FLAGS.step)
     step = int(state["step"])
-    results = Evaluator(run)(state)
+    evaluator = Evaluator(run)
+    embeddings = evaluator.embeddings(state)
+    results = evaluator.metrics(embeddings)
     if jax.process_index() == 0:
         with holding(workdir):
             report(step, results, workdir / f"eval_{step}.json")
-    if FLAGS.export:
-        export_backbone(config, state, FLAGS.export)  # every process writes its part
-        if jax.process_index() == 0:
-            print(f"exported the backbone to {FLAGS.export}")
+            if FLAGS.roc:
+                curves = {name: roc_curve(issame, pair_cosines(l2_normalize(emb)))[:2]
+                          for name, (emb, issame) in embeddings.items()}
+                plot_roc(curves, workdir / f"roc_{step}.png", f"{workdir.name}, step {step}")
+                print(f"wrote {workdir / f'roc_{step}.png'}")
     checkpoints.close()
 
 
@@ -74,11 +79,20 @@ def report(step: int, results: dict, out: Path) -> None:
     """Print the table of ``results`` and write them to ``out``."""
     names = sorted({k.split("/")[1] for k in results})
     print(f"step {step}")
-    print(f"{'set':<16} {'accuracy':>10} {'std':>8} {'threshold':>10} {'xnorm':>8}")
+    tars = [far_key(far) for far in FARS]
+    print(f"{'set':<16} {'accuracy':>10} {'std':>8} {'threshold':>10} {'xnorm':>8} {'auc':>8} "
+          + " ".join(f"{'TAR@' + k.split('=')[1]:>12}" for k in tars))
+    notes = []
     for n in names:
         r = {k.split("/")[2]: v for k, v in results.items() if k.split("/")[1] == n}
+        cells = " ".join(f"{r[k]:>12.4f}" if k in r else f"{'-':>12}" for k in tars)
         print(f"{n:<16} {r['accuracy']:>10.4f} {r['accuracy_std']:>8.4f} {r['best_threshold']:>10.3f} "
-              f"{r['xnorm']:>8.2f}")
+              f"{r['xnorm']:>8.2f} {r.get('auc', float('nan')):>8.4f} {cells}")
+        note = "impostor_pairs" in r and unmeasurable(FARS, r["impostor_pairs"])
+        if note:
+            notes.append(f"{n}: {note}")
+    for note in notes:
+        print(note)
     out.write_text(json.dumps({"step": step, **results}, indent=1))
     print(f"wrote {out}")
 

@@ -52,10 +52,18 @@ class Evaluator:
         images = jax.make_array_from_callback(images.shape, self.sharding, lambda index: images[index])
         return self._embed(state["params"], state["stats"], images)
 
+    def embeddings(self, state: dict) -> dict:
+        """``{set name: (flip-summed embeddings [2P, D], issame [P])}``."""
+        return {name: (flip_sum_embeddings(lambda x: self.embed(state, x), images, self.batch), issame)
+                for name, images, issame in self.sets}
+
     def __call__(self, state: dict) -> dict:
+        return self.metrics(self.embeddings(state))
+
+    def metrics(self, embeddings: dict) -> dict:
+        """``{'val/<set>/<metric>': value}`` of ``embeddings(state)``; warns on collapse."""
         out = {}
-        for name, images, issame in self.sets:
-            emb = flip_sum_embeddings(lambda x: self.embed(state, x), images, self.batch)
+        for name, (emb, issame) in embeddings.items():
             result = evaluate(emb, issame)
             out.update({f"val/{name}/{k}": v for k, v in result.items()})
             if result["mean_cosine"] > self.config.collapse_warning:

@@ -1,0 +1,189 @@
+"""IJB-B / IJB-C 1:1 verification, insightface's protocol (``evaluation/IJB``) step for step.
+
+``python -m jaxcls.eval.ijb --root DIR --target IJBC (--workdir runs/x [--step N] | --onnx model.onnx)``
+
+``DIR`` (or ``DIR/IJBC``) holds insightface's release: ``meta/ijbc_face_tid_mid.txt`` (image, template, media),
+``meta/ijbc_name_5pts_score.txt`` (image, five landmarks x y, detector score; the same images in the same order),
+``meta/ijbc_template_pair_label.txt`` (template, template, 1 if the same person) and the images in ``loose_crop/``.
+Each face is aligned with its landmarks to arcface's 112×112 template and embedded with its mirror image, the two
+embeddings summed (flip test, F1); the embedding keeps its norm (N1) and is multiplied by the detector score (D1);
+faces of one media are averaged, a template sums its media and is L2-normalised; a pair's score is the cosine of its
+templates. Reported: TAR at FAR 1e-6 … 1e-1 and AUC (``jaxcls.eval.roc``), printed and written as JSON with the
+pair scores as ``.npy``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+from absl import flags
+
+from jaxcls.data.align import align_face
+from jaxcls.data.recordio import DataError, decode_image
+from jaxcls.embed import embed_images
+from jaxcls.eval.roc import far_key, roc_metrics, unmeasurable
+from jaxcls.eval.verification import l2_normalize
+from jaxcls.inference import open_embedder
+from jaxcls.reporting import configure_logging, run_cli
+
+FARS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
+TARGETS = ("IJBB", "IJBC")
+
+
+@dataclasses.dataclass
+class Protocol:
+    """One release's meta files: per image ``names``, ``landmarks [N, 5, 2]``, detector ``scores [N]``,
+    ``templates [N]``, ``medias [N]``; per pair ``pairs [P, 2]`` (template ids) and ``labels [P]``."""
+
+    root: Path
+    names: list
+    landmarks: np.ndarray
+    scores: np.ndarray
+    templates: np.ndarray
+    medias: np.ndarray
+    pairs: np.ndarray
+    labels: np.ndarray
+
+
+def _rows(path: Path, columns: int, kinds: str) -> list[list[str]]:
+    if not path.is_file():
+        raise DataError(f"{path}: missing (expected insightface's IJB layout: meta/ and loose_crop/)")
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        fields = line.split()
+        if not fields:
+            continue
+        if len(fields) != columns:
+            raise DataError(f"{path} (line {number}): {len(fields)} fields, expected {columns} ({kinds})")
+        rows.append(fields)
+    if not rows:
+        raise DataError(f"{path}: empty")
+    return rows
+
+
+def _numbers(rows, path: Path, start: int, stop: int, dtype) -> np.ndarray:
+    try:
+        return np.array([[dtype(x) for x in row[start:stop]] for row in rows])
+    except ValueError as e:
+        raise DataError(f"{path}: {e}") from e
+
+
+def read_protocol(root: str | Path, target: str) -> Protocol:
+    """The meta files of ``target`` (IJBB or IJBC) under ``root`` or ``root/<target>``, checked for consistency."""
+    if target not in TARGETS:
+        raise ValueError(f"unknown IJB target {target!r}; choose one of {', '.join(TARGETS)}")
+    root = Path(root)
+    root = root / target if not (root / "meta").is_dir() and (root / target / "meta").is_dir() else root
+    prefix = root / "meta" / target.lower()
+    faces_path, media_path, pairs_path = (Path(f"{prefix}_{name}.txt") for name in
+                                          ("name_5pts_score", "face_tid_mid", "template_pair_label"))
+    faces = _rows(faces_path, 12, "image, x1 y1 … x5 y5, detector score")
+    media = _rows(media_path, 3, "image, template, media")
+    pairs = _rows(pairs_path, 3, "template, template, label")
+    names = [row[0] for row in faces]
+    if names != [row[0] for row in media]:
+        i = next(i for i, (a, b) in enumerate(zip(names, [row[0] for row in media])) if a != b) \
+            if len(faces) == len(media) else min(len(faces), len(media))
+        raise DataError(f"{faces_path} and {media_path} list different images (first at line {i + 1} of "
+                        f"{len(faces)} and {len(media)} lines)")
+    templates_media = _numbers(media, media_path, 1, 3, int)
+    protocol = Protocol(root, names, _numbers(faces, faces_path, 1, 11, float).reshape(-1, 5, 2),
+                        _numbers(faces, faces_path, 11, 12, float)[:, 0], templates_media[:, 0],
+                        templates_media[:, 1], _numbers(pairs, pairs_path, 0, 2, int),
+                        _numbers(pairs, pairs_path, 2, 3, int)[:, 0])
+    unknown = np.setdiff1d(protocol.pairs, protocol.templates)
+    if unknown.size:
+        raise DataError(f"{pairs_path}: templates {unknown[:5].tolist()} have no image in {media_path}")
+    if not np.isin(protocol.labels, (0, 1)).all():
+        raise DataError(f"{pairs_path}: labels must be 0 or 1")
+    return protocol
+
+
+def aligned_loader(root: Path, name: str, landmarks: np.ndarray, size: int):
+    """``loader()`` → the aligned uint8 ``[size, size, 3]`` face of ``root/loose_crop/name``."""
+    path = root / "loose_crop" / name
+    return lambda: align_face(decode_image(path.read_bytes(), str(path)), landmarks, size)
+
+
+def template_features(features: np.ndarray, templates: np.ndarray, medias: np.ndarray):
+    """``(template ids [T], L2-normalised features [T, D])``: per template, the mean feature of each media,
+    summed over its media."""
+    ids = np.unique(templates)
+    out = np.zeros((len(ids), features.shape[1]))
+    for t, template in enumerate(ids):
+        rows = templates == template
+        media = medias[rows]
+        out[t] = sum(features[rows][media == m].mean(0) for m in np.unique(media))
+    return ids, l2_normalize(out)
+
+
+def pair_scores(ids: np.ndarray, features: np.ndarray, pairs: np.ndarray) -> np.ndarray:
+    """Cosine of the two templates of every pair ``[P, 2]``."""
+    index = np.searchsorted(ids, pairs)
+    return np.sum(features[index[:, 0]] * features[index[:, 1]], axis=1)
+
+
+def evaluate(protocol: Protocol, face_features: np.ndarray, norm_score: bool = True,
+             detector_score: bool = True) -> tuple[dict, np.ndarray]:
+    """``(metrics, pair scores)`` from the (flip-summed) features ``[N, D]`` of the protocol's faces."""
+    features = np.asarray(face_features, np.float64)
+    features = features if norm_score else l2_normalize(features)
+    features = features * protocol.scores[:, None] if detector_score else features
+    ids, templates = template_features(features, protocol.templates, protocol.medias)
+    scores = pair_scores(ids, templates, protocol.pairs)
+    return roc_metrics(protocol.labels.astype(bool), scores, FARS), scores
+
+
+def run(root, target, *, workdir=None, onnx=None, step=None, out=None, flip=True, norm_score=True,
+        detector_score=True, batch_size=256, progress=True) -> dict:
+    """The CLI as a function: prints the table, writes ``out`` (JSON) and ``<out>.scores.npy``; returns the JSON."""
+    protocol = read_protocol(root, target)
+    embedder = open_embedder(workdir, onnx, step)
+    loaders = [aligned_loader(protocol.root, n, lm, embedder.input_size)
+               for n, lm in zip(protocol.names, protocol.landmarks)]
+    features, _, _ = embed_images(embedder, loaders, protocol.names, batch_size=batch_size, flip=flip, strict=True,
+                                  progress=progress)
+    metrics, scores = evaluate(protocol, features, norm_score, detector_score)
+    model = str(onnx) if onnx else f"{workdir} step {embedder.step}"
+    result = {"target": target, "model": model, "flip": flip, "norm_score": norm_score,
+              "detector_score": detector_score, "faces": len(protocol.names),
+              "templates": int(np.unique(protocol.templates).size), "pairs": int(len(scores)), **metrics}
+    print(f"{target} 1:1 verification, {model}: {result['faces']:,} faces, {result['templates']:,} templates, "
+          f"{result['pairs']:,} pairs")
+    print(" ".join(f"{'TAR@' + f'{far:.0e}':>10}" for far in FARS) + f" {'AUC':>8}")
+    print(" ".join(f"{metrics[far_key(far)] * 100:>10.2f}" if far_key(far) in metrics else f"{'-':>10}"
+                   for far in FARS) + f" {metrics['auc'] * 100:>8.2f}")
+    note = unmeasurable(FARS, metrics["impostor_pairs"])
+    if note:
+        print(note)
+    out = Path(out or (Path(workdir) if workdir else Path(onnx).parent) / f"ijb_{target.lower()}.json")
+    out.write_text(json.dumps(result, indent=1))
+    np.save(out.with_suffix(".scores.npy"), scores)
+    print(f"wrote {out} and {out.with_suffix('.scores.npy')}")
+    return result
+
+
+def main(argv):
+    del argv
+    f = flags.FLAGS
+    configure_logging(verbose=f["verbosity"].present)
+    run(f.root, f.target, workdir=f.workdir, onnx=f.onnx, step=f.step, out=f.out, flip=f.flip,
+        norm_score=f.norm_score, detector_score=f.detector_score, batch_size=f.batch_size)
+
+
+if __name__ == "__main__":
+    flags.DEFINE_string("root", None, "the IJB release (holding meta/ and loose_crop/, or IJBB/ and IJBC/)",
+                        required=True)
+    flags.DEFINE_enum("target", "IJBC", TARGETS, "which benchmark")
+    flags.DEFINE_string("workdir", None, "a training run's workdir")
+    flags.DEFINE_integer("step", None, "checkpoint step (default: latest)")
+    flags.DEFINE_string("onnx", None, "an exported .onnx model instead of a workdir")
+    flags.DEFINE_string("out", None, "results JSON (default: ijb_<target>.json in the workdir or beside the model)")
+    flags.DEFINE_integer("batch_size", 256, "faces per batch (split over every local device)")
+    flags.DEFINE_bool("flip", True, "add each face's mirror embedding (F1)")
+    flags.DEFINE_bool("norm_score", True, "keep each face's embedding norm (N1); false: L2-normalise faces first")
+    flags.DEFINE_bool("detector_score", True, "weight each face by its detector score (D1)")
+    run_cli(main)

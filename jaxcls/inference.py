@@ -1,0 +1,108 @@
+"""A trained run's backbone for inference: restored from its workdir, run over every local device.
+
+``restore_backbone(workdir)`` rebuilds the backbone in eval mode (running BatchNorm statistics, no dropout) with
+the weights of a checkpoint; only parameters and statistics are read, never the FC. ``Embedder`` embeds batches of
+uint8 images over every local device. ``deployed(model)`` is the calling convention of exported models
+(arcface_torch's): float32 ``[B, 3, S, S]`` NCHW RGB normalised as ``(x/255 − 0.5)/0.5`` → embeddings ``[B, D]``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxcls.checkpoint import CheckpointError, RunCheckpoints
+from jaxcls.config import from_json
+from jaxcls.data.pipeline import normalize
+from jaxcls.mesh import batch_sharding, make_mesh, replicated
+from jaxcls.run import make_model, split_model
+
+
+def restore_backbone(workdir: str | os.PathLike, step: int | None = None, *, dtype=jnp.float32,
+                     sharding: jax.sharding.Sharding | None = None):
+    """``(model, config, step)``: the run's backbone in eval mode computing in ``dtype`` (float32 by default, whatever
+    precision it trained in), its weights from checkpoint ``step`` (default: the latest) placed by ``sharding``
+    (default: the first local device)."""
+    workdir = Path(workdir)
+    if not (workdir / "config.json").is_file():
+        raise CheckpointError(f"{workdir} is not a jaxcls run: it has no config.json")
+    config = from_json((workdir / "config.json").read_text())
+    abstract = nnx.eval_shape(lambda: make_model(config, dtype))
+    abstract.eval()
+    graphdef, params, stats = split_model(abstract)
+    sharding = sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    placed = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+    checkpoints = RunCheckpoints(workdir / "checkpoints", keep=config.keep_checkpoints)
+    try:
+        step = checkpoints.latest_step() if step is None else step
+        restored, _ = checkpoints.restore({"params": placed(params), "stats": placed(stats)}, step,
+                                          parts=("params", "stats"))
+    finally:
+        checkpoints.close()
+    return nnx.merge(graphdef, restored["params"], restored["stats"]), config, step
+
+
+def deployed(model: nnx.Module):
+    """``f(float32 [B, 3, S, S] NCHW, normalised) -> float32 [B, D]`` un-normalised embeddings."""
+
+    def embed(images):
+        return model(jnp.transpose(images, (0, 2, 3, 1))).astype(jnp.float32)
+
+    return embed
+
+
+class Embedder:
+    """``embedder(uint8 [B, S, S, 3] RGB) -> float32 numpy [B, D]``: a restored run's backbone with each batch split
+    over the local devices (padded to a multiple of them). ``input_size`` is ``S``."""
+
+    def __init__(self, workdir: str | os.PathLike, step: int | None = None, devices=None):
+        devices = jax.local_devices() if devices is None else devices
+        mesh = make_mesh(1, len(devices), devices=devices)
+        model, config, self.step = restore_backbone(workdir, step, sharding=replicated(mesh))
+        self.input_size, self.devices = config.data.input_size, len(devices)
+        graphdef, params, stats = split_model(model)
+        self.weights, self.sharding = (params, stats), batch_sharding(mesh)
+        self._embed = jax.jit(lambda weights, images: nnx.merge(graphdef, *weights)(normalize(images)))
+
+    def __call__(self, images: np.ndarray) -> np.ndarray:
+        n = len(images)
+        padded = np.concatenate([images, np.zeros((-n % self.devices, *images.shape[1:]), images.dtype)])
+        return np.asarray(self._embed(self.weights, jax.device_put(padded, self.sharding)))[:n]
+
+
+class OnnxEmbedder:
+    """The same interface over an exported ``.onnx`` file in onnxruntime (its CPU or CUDA provider)."""
+
+    def __init__(self, path: str | os.PathLike):
+        ort = optional_import("onnxruntime", "export")
+        providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in ort.get_available_providers()]
+        self.session = ort.InferenceSession(str(path), providers=providers)
+        spec = self.session.get_inputs()[0]
+        if len(spec.shape) != 4 or spec.shape[1] != 3 or not isinstance(spec.shape[2], int):
+            raise ValueError(f"{path}: input {spec.name} has shape {spec.shape}, expected [B, 3, S, S]")
+        self.input_name, self.input_size, self.step = spec.name, spec.shape[2], None
+
+    def __call__(self, images: np.ndarray) -> np.ndarray:
+        x = np.transpose((images.astype(np.float32) / 255 - 0.5) / 0.5, (0, 3, 1, 2))
+        return self.session.run(None, {self.input_name: np.ascontiguousarray(x)})[0]
+
+
+def open_embedder(workdir: str | os.PathLike | None = None, onnx: str | os.PathLike | None = None,
+                  step: int | None = None):
+    """An ``Embedder`` of run ``workdir`` or an ``OnnxEmbedder`` of file ``onnx`` (exactly one of the two)."""
+    if (workdir is None) == (onnx is None):
+        raise ValueError("give exactly one of a run's workdir or an .onnx file")
+    return Embedder(workdir, step) if onnx is None else OnnxEmbedder(onnx)
+
+
+def optional_import(module: str, extra: str):
+    """``import module``, or an ``ImportError`` naming the pip extra that installs it."""
+    try:
+        return __import__(module)
+    except ImportError as e:
+        raise ImportError(f"{module} is not installed: pip install 'jaxcls[{extra}]'") from e

@@ -1,0 +1,201 @@
+"""IJB 1:1 verification end to end on a synthetic release in insightface's layout, against a reference written here;
+the alignment against known transforms."""
+
+import json
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from PIL import Image
+
+from jaxcls.config import base_config
+from jaxcls.data.align import ARCFACE_TEMPLATE, align_face, similarity_transform, warp_affine
+from jaxcls.data.pipeline import normalize
+from jaxcls.data.recordio import DataError, MXFaceDataset
+from jaxcls.data.sources import ProceduralGlyphs
+from jaxcls.eval.ijb import FARS, read_protocol, run
+from jaxcls.eval.roc import far_key
+from jaxcls.inference import restore_backbone
+from test_recordio import GLYPHS
+from test_roc import reference_roc, reference_tar
+from tiny import saved_run
+
+
+def rotation(angle, scale):
+    return scale * np.array([[np.cos(angle), -np.sin(angle)], [np.sin(angle), np.cos(angle)]])
+
+
+def test_similarity_transform_recovers_a_known_transform_and_never_reflects(rng):
+    matrix = np.hstack([rotation(rng.uniform(-np.pi, np.pi), rng.uniform(0.3, 3)), rng.normal(0, 50, (2, 1))])
+    points = rng.uniform(0, 200, (5, 2))
+    np.testing.assert_allclose(similarity_transform(points, points @ matrix[:, :2].T + matrix[:, 2]), matrix,
+                               rtol=1e-9, atol=1e-9)
+    mirrored = points * [-1, 1]  # the best similarity onto a mirror image is still a rotation
+    assert np.linalg.det(similarity_transform(points, mirrored)[:, :2]) > 0
+
+
+def test_warp_affine_moves_pixels_where_the_matrix_says(rng):
+    image = rng.integers(0, 256, (20, 30, 3), dtype=np.uint8)
+    np.testing.assert_array_equal(warp_affine(image, np.eye(2, 3), 20), image[:, :20])
+    shifted = warp_affine(image, np.array([[1.0, 0, 3], [0, 1, -2]]), 20)  # output (x, y) = input (x − 3, y + 2)
+    np.testing.assert_array_equal(shifted[:18, 3:], image[2:20, :17])
+    assert not shifted[:, :3].any() and not shifted[18:].any()  # outside the input: black
+    half = warp_affine(image, np.array([[1.0, 0, 0.5], [0, 1, 0]]), 20)  # half a pixel: the mean of neighbours
+    np.testing.assert_array_equal(half[:, 1:19], np.rint((image[:20, :18].astype(float) + image[:20, 1:19]) / 2))
+
+
+def glyph_faces(identities, per):
+    """``per`` 112×112 images of each of ``identities`` glyphs: real fonts' kanji when ../shared has them."""
+    if (GLYPHS / "train.rec").exists():
+        data = MXFaceDataset(GLYPHS)
+        labels = np.array([data.raw(i)[1] for i in range(12 * identities + 12)])
+        return [[data[i][0] for i in np.flatnonzero(labels == k)[:per]] for k in range(identities)]
+    glyphs = ProceduralGlyphs(num_classes=identities, size=112)
+    return [[glyphs.image(k, j) for j in range(per)] for k in range(identities)]
+
+
+def loose_crop(face, rng):
+    """``face`` placed in a bigger picture by a random similarity, and the arcface landmarks moved with it (± 0.3 px)."""
+    size = int(rng.integers(150, 220))
+    matrix = np.hstack([rotation(rng.uniform(-0.4, 0.4), rng.uniform(0.9, 1.5)), [[0.0], [0.0]]])
+    matrix[:, 2] = size / 2 - matrix[:, :2] @ [56, 56] + rng.uniform(-10, 10, 2)
+    inverse = np.linalg.inv(np.vstack([matrix, [0, 0, 1]]))[:2].ravel()  # PIL maps output to input pixels
+    picture = Image.fromarray(face).transform((size, size), Image.AFFINE, tuple(inverse), Image.BILINEAR)
+    landmarks = ARCFACE_TEMPLATE @ matrix[:, :2].T + matrix[:, 2] + rng.uniform(-0.3, 0.3, (5, 2))
+    return picture, landmarks
+
+
+def write_release(root, rng, identities=5, per=5):
+    """insightface's IJBC layout: faces in templates of 1–3 faces from 1–2 media; every template pair."""
+    (root / "meta").mkdir(parents=True)
+    (root / "loose_crop").mkdir()
+    faces, media, templates = [], [], []
+    template, medium, number = 0, 100, 0
+    for identity, images in enumerate(glyph_faces(identities, per)):
+        order = list(rng.permutation(len(images)))
+        while order:
+            template += 1
+            templates.append((template, identity))
+            for _ in range(min(len(order), int(rng.integers(1, 4)))):
+                number += 1
+                medium += int(rng.random() < 0.6)  # a new media, or another frame of the last one
+                picture, landmarks = loose_crop(images[order.pop()], rng)
+                name = f"{number}.jpg"
+                picture.save(root / "loose_crop" / name, quality=95)
+                faces.append(f"{name} " + " ".join(f"{v:.3f}" for v in landmarks.ravel()) +
+                             f" {rng.uniform(0.5, 1):.4f}")
+                media.append(f"{name} {template} {medium}")
+    pairs = [f"{a} {b} {int(ia == ib)}" for i, (a, ia) in enumerate(templates) for b, ib in templates[i + 1:]]
+    for name, lines in (("name_5pts_score", faces), ("face_tid_mid", media), ("template_pair_label", pairs)):
+        (root / "meta" / f"ijbc_{name}.txt").write_text("\n".join(lines) + "\n")
+
+
+def reference_align(path, landmarks):
+    """Least squares for (a, b, tx, ty) of x' = a·x − b·y + tx, y' = b·x + a·y + ty; then every output pixel sampled
+    one by one, bilinearly, black outside."""
+    image = np.asarray(Image.open(path).convert("RGB"), np.float64)
+    rows = [[x, -y, 1, 0] for x, y in landmarks] + [[y, x, 0, 1] for x, y in landmarks]
+    a, b, tx, ty = np.linalg.lstsq(np.array(rows), np.r_[ARCFACE_TEMPLATE[:, 0], ARCFACE_TEMPLATE[:, 1]],
+                                   rcond=None)[0]
+    inverse = np.linalg.inv(np.array([[a, -b, tx], [b, a, ty], [0, 0, 1]]))
+    out = np.zeros((112, 112, 3))
+    for y in range(112):
+        for x in range(112):
+            sx, sy, _ = inverse @ [x, y, 1]
+            x0, y0 = int(np.floor(sx)), int(np.floor(sy))
+            for yy, xx, w in ((y0, x0, (1 - (sy - y0)) * (1 - (sx - x0))), (y0, x0 + 1, (1 - (sy - y0)) * (sx - x0)),
+                              (y0 + 1, x0, (sy - y0) * (1 - (sx - x0))), (y0 + 1, x0 + 1, (sy - y0) * (sx - x0))):
+                if 0 <= yy < image.shape[0] and 0 <= xx < image.shape[1]:
+                    out[y, x] += w * image[yy, xx]
+    return np.clip(np.rint(out), 0, 255).astype(np.uint8)
+
+
+def reference_ijb(root, workdir):
+    """insightface's protocol written out: flip-summed features × detector score, media means summed per template,
+    normalised; the cosine of each pair; TAR at FAR and AUC from the brute-force ROC."""
+    lines = [line.split() for line in (root / "meta" / "ijbc_name_5pts_score.txt").read_text().splitlines()]
+    media = [line.split() for line in (root / "meta" / "ijbc_face_tid_mid.txt").read_text().splitlines()]
+    pairs = [line.split() for line in (root / "meta" / "ijbc_template_pair_label.txt").read_text().splitlines()]
+    model, _, _ = restore_backbone(workdir)
+    embed = jax.jit(lambda x: model(normalize(x)))
+    aligned = np.stack([reference_align(root / "loose_crop" / line[0], np.array(line[1:11], float).reshape(5, 2))
+                        for line in lines])
+    features = np.asarray(embed(aligned), np.float64) + np.asarray(embed(aligned[:, :, ::-1]), np.float64)
+    features *= np.array([float(line[11]) for line in lines])[:, None]
+    by_template = {}
+    for feature, (_, template, medium) in zip(features, media):
+        by_template.setdefault(template, {}).setdefault(medium, []).append(feature)
+    encoded = {}
+    for template, by_media in by_template.items():
+        total = sum(np.mean(group, axis=0) for group in by_media.values())
+        encoded[template] = total / np.linalg.norm(total)
+    scores = np.array([encoded[a] @ encoded[b] for a, b, _ in pairs])
+    labels = np.array([label == "1" for _, _, label in pairs])
+    fpr, tpr, _ = reference_roc(labels, scores)
+    impostors = np.sum(~labels)
+    tars = {far_key(far): reference_tar(fpr, tpr, far) for far in FARS if far * impostors >= 1}
+    return aligned, scores, tars, float(np.sum(np.diff(fpr) * (tpr[1:] + tpr[:-1]) / 2))
+
+
+def ijb_config():
+    c = base_config()
+    c.model, c.model_kwargs, c.num_features, c.num_classes, c.batch_size = "r18", dict(width=8), 32, 1000, 8
+    c.data.input_size = 112
+    return c
+
+
+@pytest.mark.slow  # embeds 25 faces at 112×112 with an r18 and aligns them pixel by pixel in Python
+def test_ijb_end_to_end_equals_the_reference(tmp_path, rng):
+    write_release(tmp_path / "IJBC", rng)
+    saved_run(tmp_path / "run", ijb_config(), rng)
+    result = run(tmp_path, "IJBC", workdir=tmp_path / "run", batch_size=8, progress=False)
+    aligned, scores, tars, area = reference_ijb(tmp_path / "IJBC", tmp_path / "run")
+
+    protocol = read_protocol(tmp_path, "IJBC")
+    ours = np.stack([align_face(np.asarray(Image.open(protocol.root / "loose_crop" / n).convert("RGB")), lm)
+                     for n, lm in zip(protocol.names, protocol.landmarks)])
+    difference = np.abs(ours.astype(int) - aligned)
+    assert difference.max() <= 1 and difference.mean() < 1e-3  # rounding of x.5 levels only
+    np.testing.assert_allclose(np.load(tmp_path / "run" / "ijb_ijbc.scores.npy"), scores, rtol=1e-4, atol=1e-5)
+    assert result == json.loads((tmp_path / "run" / "ijb_ijbc.json").read_text())
+    assert result["faces"] == 25 and result["pairs"] == len(scores) and "tar@far=1e-01" in tars
+    assert {k: v for k, v in result.items() if k.startswith("tar@")} == pytest.approx(tars, abs=1e-12)
+    assert result["auc"] == pytest.approx(area, abs=1e-9)
+    # alignment undoes the made-up picture: the aligned face is the glyph again (up to resampling, away from borders)
+    original = glyph_faces(5, 5)
+    first = int(protocol.names[0].split(".")[0])  # faces were written in order; the first is some image of identity 0
+    assert any(np.abs(ours[first - 1, 8:-8, 8:-8].astype(int) - face[8:-8, 8:-8]).mean() < 6 for face in original[0])
+
+
+def test_ijb_layout_errors_name_the_file_and_line(tmp_path, rng):
+    root = tmp_path / "IJBC"
+    with pytest.raises(DataError, match="ijbc_name_5pts_score.txt: missing"):
+        read_protocol(tmp_path, "IJBC")
+    write_release(root, rng, identities=2, per=2)
+    media = root / "meta" / "ijbc_face_tid_mid.txt"
+    lines = media.read_text().splitlines()
+    media.write_text("\n".join([lines[0] + " extra"] + lines[1:]))
+    with pytest.raises(DataError, match=r"ijbc_face_tid_mid.txt \(line 1\): 4 fields, expected 3"):
+        read_protocol(root, "IJBC")
+    media.write_text("\n".join(lines[::-1]))
+    with pytest.raises(DataError, match="list different images"):
+        read_protocol(root, "IJBC")
+    media.write_text("\n".join(lines))
+    pairs = root / "meta" / "ijbc_template_pair_label.txt"
+    pairs.write_text(pairs.read_text() + "1 999 0\n")
+    with pytest.raises(DataError, match=r"templates \[999\] have no image"):
+        read_protocol(root, "IJBC")
+    with pytest.raises(ValueError, match="unknown IJB target 'IJBA'"):
+        read_protocol(root, "IJBA")
+
+
+@pytest.mark.slow  # a subprocess compiling the r18
+def test_ijb_cli_stops_on_a_missing_face_naming_it(tmp_path, rng):
+    write_release(tmp_path, rng, identities=2, per=2)
+    saved_run(tmp_path / "run", ijb_config(), rng)
+    (tmp_path / "loose_crop" / "2.jpg").unlink()
+    done = subprocess.run([sys.executable, "-m", "jaxcls.eval.ijb", "--root", str(tmp_path), "--workdir",
+                           str(tmp_path / "run")], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1 and "loose_crop/2.jpg" in done.stderr and "No such file" in done.stderr, done.stderr
