@@ -1,5 +1,6 @@
 """Every benchmark's --small mode runs and writes well-formed JSON (no timing asserts)."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -19,13 +20,17 @@ SCRIPTS = {
     "max_classes.py": {"classes", "img_per_s", "is_max"},
     "data.py": {"stage", "threads", "img_per_s"},
     "cross_host.py": {"class_axes", "mesh", "cross_host_MB_per_host", "collectives"},
+    "inference.py": {"runtime", "model", "batch", "img_per_s", "max_rel_err"},
 }
+NEEDS = {"inference.py": "jax2onnx"}
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_small_mode_writes_json(script, tmp_path):
+    if script in NEEDS and importlib.util.find_spec(NEEDS[script]) is None:
+        pytest.skip(f"{script} needs {NEEDS[script]}: pip install --no-deps {NEEDS[script]}")
     out = tmp_path / "result.json"
     # the script sets up its own devices; programs that this process already compiled for 8 devices are reused
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_COMPILATION_CACHE_DIR": COMPILATION_CACHE}
@@ -36,3 +41,6 @@ def test_small_mode_writes_json(script, tmp_path):
     assert result["environment"]["backend"] and result["rows"]
     for row in result["rows"]:
         assert SCRIPTS[script] <= row.keys()
+    if script == "inference.py":  # every runtime embeds as JAX does
+        assert {r["runtime"] for r in result["rows"]} == {"jax", "stablehlo", "onnxruntime"}
+        assert all(r["max_rel_err"] <= 1e-4 for r in result["rows"])
