@@ -124,7 +124,8 @@ def main(argv):
                                       batch_size=f.batch_size, flip=f.flip, strict=f.strict)
     stem = Path(f.out).with_suffix("")
     print(f"wrote {f.out} ({embeddings.shape[0]:,} × {embeddings.shape[1]} float32) and {stem}.names.txt"
-          + (f"; {len(failures):,} images could not be read, listed in {stem}.failed.txt" if failures else ""))
+          + (f"; {len(failures):,} image{'s' if len(failures) > 1 else ''} could not be read, listed in "
+               f"{stem}.failed.txt" if failures else ""))
 
 
 if __name__ == "__main__":
