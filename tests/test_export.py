@@ -15,6 +15,7 @@ from jaxcls.data.recordio import MXFaceDataset
 from jaxcls.export import ONNX_OPSET, export_run, load_jax_export
 from jaxcls.inference import OnnxEmbedder, restore_backbone
 from test_recordio import GLYPHS, needs_glyphs
+from tiny import get_config as tiny_config
 from tiny import saved_run
 
 pytestmark = [pytest.mark.slow,  # compiles and converts whole backbones
@@ -54,11 +55,30 @@ def as_input(images):
     return np.transpose((images.astype(np.float32) / 255 - 0.5) / 0.5, (0, 3, 1, 2))
 
 
+def check_interface(path, step, model, size, features):
+    """The ONNX file's declared interface: names, dynamic batch, float32 only, opset, producer, metadata."""
+    proto = onnx.load(str(path))
+    assert proto.producer_name == "jaxcls" and [(o.domain, o.version) for o in proto.opset_import] == [("", ONNX_OPSET)]
+    props = {p.key: p.value for p in proto.metadata_props}
+    assert props["model"] == model and props["step"] == str(step) and props["converter"].startswith("jax2onnx ")
+    (inp,), (out,) = proto.graph.input, proto.graph.output
+    dims = lambda v: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+    assert inp.name == "images" and dims(inp) == ["B", 3, size, size] and dims(out) == ["B", features]
+    float32 = onnx.TensorProto.FLOAT
+    assert inp.type.tensor_type.elem_type == out.type.tensor_type.elem_type == float32
+    other_floats = {onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
+    assert float32 in {t.data_type for t in proto.graph.initializer}
+    assert not other_floats & {t.data_type for t in proto.graph.initializer}
+    assert not [n for n in proto.graph.node if n.op_type == "Cast" and
+                any(a.name == "to" and a.i in other_floats for a in n.attribute)]
+
+
 @needs_glyphs
 @pytest.mark.parametrize("name", sorted(BACKBONES))
 def test_onnx_and_jax_export_embed_glyphs_as_the_backbone(name, tmp_path, rng):
     saved_run(tmp_path / "run", backbone_config(name), rng)
     export_run(tmp_path / "run", onnx=tmp_path / "m.onnx", jax_export=tmp_path / "m.jaxexport")
+    check_interface(tmp_path / "m.onnx", 1, BACKBONES[name][0], 112, 64)
     model, _, _ = restore_backbone(tmp_path / "run")
     images = glyph_images(7)
     want = np.asarray(jax.jit(lambda x: model(normalize(x)))(images), np.float64)
@@ -72,44 +92,23 @@ def test_onnx_and_jax_export_embed_glyphs_as_the_backbone(name, tmp_path, rng):
             assert cosine >= 0.99999 and relative <= 1e-4
 
 
-def test_onnx_file_records_its_interface_and_a_bfloat16_run_exports_float32(tmp_path, rng):
-    saved_run(tmp_path / "run", backbone_config("r18", precision="bfloat16"), rng)
-    step = export_run(tmp_path / "run", onnx=tmp_path / "m.onnx")
-    proto = onnx.load(str(tmp_path / "m.onnx"))
-    assert step == 1 and proto.producer_name == "jaxcls"
-    assert [(o.domain, o.version) for o in proto.opset_import] == [("", ONNX_OPSET)]
-    props = {p.key: p.value for p in proto.metadata_props}
-    assert props["model"] == "r18" and props["step"] == "1" and props["converter"].startswith("jax2onnx ")
-    (inp,), (out,) = proto.graph.input, proto.graph.output
-    dims = lambda v: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
-    assert inp.name == "images" and dims(inp) == ["B", 3, 112, 112] and dims(out) == ["B", 64]
-    float32 = onnx.TensorProto.FLOAT
-    assert inp.type.tensor_type.elem_type == out.type.tensor_type.elem_type == float32
-    other_floats = {onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
-    assert float32 in {t.data_type for t in proto.graph.initializer}
-    assert not other_floats & {t.data_type for t in proto.graph.initializer}
-    assert not [n for n in proto.graph.node if n.op_type == "Cast" and
-                any(a.name == "to" and a.i in other_floats for a in n.attribute)]
-    # the float32 export of bfloat16-trained weights: what the float32 backbone computes, not bfloat16's rounding
-    images = rng.integers(0, 256, (3, 112, 112, 3), dtype=np.uint8)
-    model32, _, _ = restore_backbone(tmp_path / "run")
-    model16, _, _ = restore_backbone(tmp_path / "run", dtype=jnp.bfloat16)
-    got = OnnxEmbedder(tmp_path / "m.onnx")(images).astype(np.float64)
-    want32, want16 = (np.asarray(m(normalize(images)), np.float64) for m in (model32, model16))
-    assert agreement(got, want32)[1] <= 1e-4 < agreement(got, want16)[1]
-
-
-def test_export_cli_and_its_errors(tmp_path, rng):
-    saved_run(tmp_path / "run", backbone_config("mbf", num_features=32), rng)
+def test_cli_exports_a_bfloat16_run_in_float32_and_its_errors_are_one_line(tmp_path, rng):
+    saved_run(tmp_path / "run", tiny_config(precision="bfloat16"), rng, step=3)
     cli = lambda *args: subprocess.run([sys.executable, "-m", "jaxcls.export", *args], capture_output=True,
                                        text=True, timeout=600)
-    done = cli("--workdir", str(tmp_path / "run"), "--jax", str(tmp_path / "m.jaxexport"))
+    done = cli("--workdir", str(tmp_path / "run"), "--onnx", str(tmp_path / "m.onnx"),
+               "--jax", str(tmp_path / "m.jaxexport"))
     assert done.returncode == 0, done.stderr[-2000:]
-    assert f"wrote {tmp_path / 'm.jaxexport'} (step 1" in done.stdout
-    images = rng.integers(0, 256, (2, 112, 112, 3), dtype=np.uint8)
-    model, _, _ = restore_backbone(tmp_path / "run")
-    got = np.asarray(load_jax_export(tmp_path / "m.jaxexport")(as_input(images)), np.float64)
-    assert agreement(got, np.asarray(model(normalize(images)), np.float64))[1] <= 1e-4
+    assert f"wrote {tmp_path / 'm.onnx'} (step 3" in done.stdout and f"wrote {tmp_path / 'm.jaxexport'}" in done.stdout
+    check_interface(tmp_path / "m.onnx", 3, "r18", 16, 32)
+    # float32 compute of bfloat16-trained weights: the float32 backbone's embeddings, not bfloat16's rounding
+    images = rng.integers(0, 256, (3, 16, 16, 3), dtype=np.uint8)
+    model32, _, _ = restore_backbone(tmp_path / "run")
+    model16, _, _ = restore_backbone(tmp_path / "run", dtype=jnp.bfloat16)
+    want32, want16 = (np.asarray(m(normalize(images)), np.float64) for m in (model32, model16))
+    for got in (OnnxEmbedder(tmp_path / "m.onnx")(images),
+                np.asarray(load_jax_export(tmp_path / "m.jaxexport")(as_input(images)))):
+        assert agreement(got.astype(np.float64), want32)[1] <= 1e-4 < agreement(got.astype(np.float64), want16)[1]
     for args, message in [((), "nothing to export"), (("--step", "5", "--onnx", "x.onnx"), "no checkpoint 5 in"),
                           (("--onnx", "x.onnx"), "is not a jaxcls run")]:
         workdir = tmp_path / ("run" if message != "is not a jaxcls run" else "nothing")

@@ -1,5 +1,4 @@
-"""IJB 1:1 verification end to end on a synthetic release in insightface's layout, against a reference written here;
-the alignment against known transforms."""
+"""IJB 1:1 verification end to end on a synthetic release in insightface's layout, against a reference written here."""
 
 import json
 import subprocess
@@ -11,39 +10,17 @@ import pytest
 from PIL import Image
 
 from jaxcls.config import base_config
-from jaxcls.data.align import ARCFACE_TEMPLATE, align_face, similarity_transform, warp_affine
+from jaxcls.data.align import ARCFACE_TEMPLATE, align_face
 from jaxcls.data.pipeline import normalize
 from jaxcls.data.recordio import DataError, MXFaceDataset
 from jaxcls.data.sources import ProceduralGlyphs
 from jaxcls.eval.ijb import FARS, read_protocol, run
 from jaxcls.eval.roc import far_key
 from jaxcls.inference import restore_backbone
+from test_align import rotation
 from test_recordio import GLYPHS
 from test_roc import reference_roc, reference_tar
 from tiny import saved_run
-
-
-def rotation(angle, scale):
-    return scale * np.array([[np.cos(angle), -np.sin(angle)], [np.sin(angle), np.cos(angle)]])
-
-
-def test_similarity_transform_recovers_a_known_transform_and_never_reflects(rng):
-    matrix = np.hstack([rotation(rng.uniform(-np.pi, np.pi), rng.uniform(0.3, 3)), rng.normal(0, 50, (2, 1))])
-    points = rng.uniform(0, 200, (5, 2))
-    np.testing.assert_allclose(similarity_transform(points, points @ matrix[:, :2].T + matrix[:, 2]), matrix,
-                               rtol=1e-9, atol=1e-9)
-    mirrored = points * [-1, 1]  # the best similarity onto a mirror image is still a rotation
-    assert np.linalg.det(similarity_transform(points, mirrored)[:, :2]) > 0
-
-
-def test_warp_affine_moves_pixels_where_the_matrix_says(rng):
-    image = rng.integers(0, 256, (20, 30, 3), dtype=np.uint8)
-    np.testing.assert_array_equal(warp_affine(image, np.eye(2, 3), 20), image[:, :20])
-    shifted = warp_affine(image, np.array([[1.0, 0, 3], [0, 1, -2]]), 20)  # output (x, y) = input (x − 3, y + 2)
-    np.testing.assert_array_equal(shifted[:18, 3:], image[2:20, :17])
-    assert not shifted[:, :3].any() and not shifted[18:].any()  # outside the input: black
-    half = warp_affine(image, np.array([[1.0, 0, 0.5], [0, 1, 0]]), 20)  # half a pixel: the mean of neighbours
-    np.testing.assert_array_equal(half[:, 1:19], np.rint((image[:20, :18].astype(float) + image[:20, 1:19]) / 2))
 
 
 def glyph_faces(identities, per):

@@ -35,12 +35,12 @@ def saved_run(workdir, config, rng=None, step=1):
     state = build(config, devices=jax.devices()[:1], with_data=False).init_state()
     if rng is not None:
         def draw(path, x):
-            name = str(path[-1])
+            keys = [getattr(k, "key", None) for k in path]  # e.g. ['bn1', 'mean', None] (the last: .value)
             if not jnp.issubdtype(x.dtype, jnp.floating):
                 return x
-            if "mean" in name:
+            if "mean" in keys:
                 return jnp.asarray(rng.normal(0, 0.3, x.shape), x.dtype)
-            return jnp.asarray(rng.uniform(0.5, 2, x.shape), x.dtype) if "var" in name else x
+            return jnp.asarray(rng.uniform(0.5, 2, x.shape), x.dtype) if "var" in keys else x
         state["stats"] = jax.tree_util.tree_map_with_path(draw, state["stats"])
     Path(workdir).mkdir(parents=True, exist_ok=True)
     (Path(workdir) / "config.json").write_text(config.to_json_best_effort(indent=2))

@@ -109,21 +109,24 @@ def aligned_loader(root: Path, name: str, landmarks: np.ndarray, size: int):
 
 
 def template_features(features: np.ndarray, templates: np.ndarray, medias: np.ndarray):
-    """``(template ids [T], L2-normalised features [T, D])``: per template, the mean feature of each media,
+    """``(template ids [T], L2-normalised features [T, D])``: per template, the mean feature of each of its media,
     summed over its media."""
-    ids = np.unique(templates)
+    groups, group_of_face = np.unique(np.stack([templates, medias], 1), axis=0, return_inverse=True)
+    group_of_face = group_of_face.reshape(-1)
+    media_means = np.zeros((len(groups), features.shape[1]))
+    np.add.at(media_means, group_of_face, features)
+    media_means /= np.bincount(group_of_face, minlength=len(groups))[:, None]
+    ids, template_of_group = np.unique(groups[:, 0], return_inverse=True)
     out = np.zeros((len(ids), features.shape[1]))
-    for t, template in enumerate(ids):
-        rows = templates == template
-        media = medias[rows]
-        out[t] = sum(features[rows][media == m].mean(0) for m in np.unique(media))
+    np.add.at(out, template_of_group.reshape(-1), media_means)
     return ids, l2_normalize(out)
 
 
-def pair_scores(ids: np.ndarray, features: np.ndarray, pairs: np.ndarray) -> np.ndarray:
-    """Cosine of the two templates of every pair ``[P, 2]``."""
+def pair_scores(ids: np.ndarray, features: np.ndarray, pairs: np.ndarray, chunk: int = 100_000) -> np.ndarray:
+    """Cosine of the two templates of every pair ``[P, 2]`` (in chunks: IJB-C has 15.7 M pairs)."""
     index = np.searchsorted(ids, pairs)
-    return np.sum(features[index[:, 0]] * features[index[:, 1]], axis=1)
+    return np.concatenate([np.sum(features[i[:, 0]] * features[i[:, 1]], axis=1)
+                           for i in np.array_split(index, max(1, -(-len(index) // chunk)))])
 
 
 def evaluate(protocol: Protocol, face_features: np.ndarray, norm_score: bool = True,

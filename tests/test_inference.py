@@ -1,0 +1,51 @@
+"""A run's backbone restored for inference: the chosen checkpoint, eval mode, batches padded over the devices."""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxcls.checkpoint import CheckpointError, RunCheckpoints
+from jaxcls.data.pipeline import normalize
+from jaxcls.inference import Embedder, OnnxEmbedder, open_embedder, restore_backbone
+from tiny import get_config, saved_run
+
+pytestmark = pytest.mark.slow  # compiles a run's initializer and its backbone
+
+
+def test_restore_picks_the_step_and_the_embedder_pads_batches_over_the_devices(tmp_path, rng):
+    config = get_config()
+    first = saved_run(tmp_path, config, rng, step=1)
+    second = saved_run(tmp_path, config, rng, step=2)  # other BatchNorm statistics
+    images = rng.integers(0, 256, (5, 16, 16, 3), dtype=np.uint8)  # 5 rows on 8 devices: padded
+    embedder = Embedder(tmp_path)
+    assert embedder.step == 2 and embedder.input_size == 16 and embedder.devices == jax.local_device_count()
+    got = embedder(images)
+    model, _, step = restore_backbone(tmp_path, 1)
+    assert step == 1 and model.features.use_running_average  # eval mode
+    latest, _, _ = restore_backbone(tmp_path)
+    np.testing.assert_allclose(got, np.asarray(latest(normalize(images))), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(np.asarray(model(normalize(images))), got, atol=1e-3)  # step 1 differs
+    mean = lambda state: jax.tree.leaves(state["stats"])[0]
+    assert not np.allclose(mean(first), mean(second))
+
+
+def test_clear_errors(tmp_path):
+    with pytest.raises(CheckpointError, match="is not a jaxcls run: it has no config.json"):
+        restore_backbone(tmp_path)
+    (tmp_path / "config.json").write_text(get_config().to_json_best_effort())
+    RunCheckpoints(tmp_path / "checkpoints", keep=1).close()
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        restore_backbone(tmp_path)
+    with pytest.raises(ValueError, match="exactly one of"):
+        open_embedder(tmp_path, tmp_path / "m.onnx")
+    with pytest.raises(ValueError, match="exactly one of"):
+        open_embedder()
+    onnx = pytest.importorskip("onnx", reason="the export extra is not installed")
+    pytest.importorskip("onnxruntime", reason="the export extra is not installed")
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["B", 8])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["B", 8])
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Identity", ["x"], ["y"])], "g", [x], [y])
+    onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)]),
+              str(tmp_path / "flat.onnx"))
+    with pytest.raises(ValueError, match=r"flat.onnx: input x has shape \['B', 8\], expected \[B, 3, S, S\]"):
+        OnnxEmbedder(tmp_path / "flat.onnx")
