@@ -198,14 +198,16 @@ def test_sigterm_saves_and_exits_75_and_a_second_trainer_is_refused(tmp_path):
 def test_signals_once_request_a_stop_and_a_second_ctrl_c_aborts():
     """``StopRequests`` in a process of its own (signal handlers belong to the main thread)."""
     script = """
-import os, signal
+import signal, time
 from jaxcls.interrupts import StopRequests
-with StopRequests() as stop:
+with StopRequests() as stop:  # raise_signal: to this (main) thread; the sleeps let Python run the handler there
     assert not stop.now(1)
-    os.kill(os.getpid(), signal.SIGTERM)
+    signal.raise_signal(signal.SIGTERM)
+    time.sleep(0.2)
     assert stop.now(1) and stop.received == "SIGTERM"
     try:
-        os.kill(os.getpid(), signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)
+        time.sleep(5)
     except KeyboardInterrupt:
         print("aborted")
 assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
