@@ -138,7 +138,7 @@ def test_divergence_stops_the_run_and_no_checkpoint_is_ever_non_finite(tmp_path,
 def cli(*args):
     """Run ``python -m <args>`` on 8 CPU devices sharing this process's compilation cache; (exit code, lines)."""
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=COMPILATION_CACHE, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+               XLA_FLAGS=os.environ["XLA_FLAGS"])
     proc = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     lines = [line.split("\r")[-1] for line in (proc.stdout + proc.stderr).splitlines()]
@@ -177,7 +177,7 @@ def test_sigterm_saves_and_exits_75_and_a_second_trainer_is_refused(tmp_path):
     flags = ["--config", "tests/tiny.py", "--workdir", str(tmp_path), "--config.total_steps=100000",
              "--config.ckpt_every=100000", "--config.warmup_steps=1"]
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=COMPILATION_CACHE, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+               XLA_FLAGS=os.environ["XLA_FLAGS"])
     first = subprocess.Popen([sys.executable, "-m", "jaxcls.train", *flags], cwd=ROOT, env=env, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
@@ -226,7 +226,7 @@ def test_a_full_disk_stops_the_run_at_once_with_one_error_and_no_partial_checkpo
                    "resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000)); sys.argv[0] = 'jaxcls.train'; "
                    "runpy.run_module('jaxcls.train', run_name='__main__')")
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=COMPILATION_CACHE, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+               XLA_FLAGS=os.environ["XLA_FLAGS"])
     proc = subprocess.run([sys.executable, "-c", small_files, "--config", "tests/tiny.py", "--workdir", str(tmp_path),
                            "--config.ckpt_every=2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     lines = [line.split("\r")[-1] for line in proc.stderr.splitlines()]
