@@ -99,12 +99,14 @@ def embed_images(embed: Callable[[np.ndarray], np.ndarray], loaders: Sequence[Ca
 
 def run(images: str, out: str, *, workdir=None, onnx=None, step=None, batch_size=256, flip=False, strict=False,
         progress=True) -> tuple[np.ndarray, list[str], list]:
-    """The CLI as a function: writes ``out``, ``<out>.names.txt`` and (when any) ``<out>.failed.txt``."""
+    """The CLI as a function: writes ``out`` (``.npy`` added if missing), ``<out>.names.txt`` and (when any)
+    ``<out>.failed.txt``."""
+    out = Path(out) if str(out).endswith(".npy") else Path(f"{out}.npy")
+    out.parent.mkdir(parents=True, exist_ok=True)  # before hours of work, not after
     embedder = open_embedder(workdir, onnx, step)
     names, loaders = image_source(images, embedder.input_size)
     embeddings, kept, failures = embed_images(embedder, loaders, names, batch_size=batch_size, flip=flip,
                                               strict=strict, progress=progress)
-    out = Path(out)
     stem = out.with_suffix("")
     np.save(out, embeddings)
     Path(f"{stem}.names.txt").write_text("".join(f"{names[i]}\n" for i in kept))
@@ -122,8 +124,8 @@ def main(argv):
     configure_logging(verbose=f["verbosity"].present)
     embeddings, names, failures = run(f.images, f.out, workdir=f.workdir, onnx=f.onnx, step=f.step,
                                       batch_size=f.batch_size, flip=f.flip, strict=f.strict)
-    stem = Path(f.out).with_suffix("")
-    print(f"wrote {f.out} ({embeddings.shape[0]:,} × {embeddings.shape[1]} float32) and {stem}.names.txt"
+    stem = Path(f.out.removesuffix(".npy"))
+    print(f"wrote {stem}.npy ({embeddings.shape[0]:,} × {embeddings.shape[1]} float32) and {stem}.names.txt"
           + (f"; {len(failures):,} image{'s' if len(failures) > 1 else ''} could not be read, listed in "
                f"{stem}.failed.txt" if failures else ""))
 

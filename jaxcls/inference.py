@@ -97,6 +97,8 @@ def open_embedder(workdir: str | os.PathLike | None = None, onnx: str | os.PathL
     """An ``Embedder`` of run ``workdir`` or an ``OnnxEmbedder`` of file ``onnx`` (exactly one of the two)."""
     if (workdir is None) == (onnx is None):
         raise ValueError("give exactly one of a run's workdir or an .onnx file")
+    if onnx is not None and step is not None:
+        raise ValueError("a checkpoint step goes with a workdir; an .onnx file holds one model")
     return Embedder(workdir, step) if onnx is None else OnnxEmbedder(onnx)
 
 

@@ -42,3 +42,5 @@ def test_align_face_maps_the_landmarks_onto_the_template_and_refuses_bad_ones(rn
         align_face(image, landmarks[:4])
     with pytest.raises(ValueError, match="five finite"):
         align_face(image, np.where(np.eye(5, 2, dtype=bool), np.nan, landmarks))
+    with pytest.raises(ValueError, match="all coincide"):
+        align_face(image, np.full((5, 2), 60.0))

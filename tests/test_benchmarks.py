@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_small_mode_writes_json(script, tmp_path):
     if script in NEEDS and importlib.util.find_spec(NEEDS[script]) is None:
-        pytest.skip(f"{script} needs {NEEDS[script]}: pip install --no-deps {NEEDS[script]}")
+        pytest.skip(f"{script} needs {NEEDS[script]}: see docs/deploy.md")
     out = tmp_path / "result.json"
     # the script sets up its own devices; programs that this process already compiled for 8 devices are reused
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_COMPILATION_CACHE_DIR": COMPILATION_CACHE}

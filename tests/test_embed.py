@@ -74,9 +74,11 @@ def test_a_folder_with_a_broken_image_embeds_the_rest_and_lists_it(workdir, tmp_
 def test_a_rec_file_and_a_list_give_their_images_in_order(workdir, tmp_path):
     images = glyphs(9)
     write_records(tmp_path / "rec", {k + 1: pack([k % 3], encoded(im)) for k, im in enumerate(images)})
-    emb, names, failures = run(tmp_path / "rec" / "train.rec", tmp_path / "rec.npy", workdir=workdir, batch_size=8,
-                               progress=False)
+    emb, names, failures = run(tmp_path / "rec" / "train.rec", tmp_path / "new" / "rec", workdir=workdir,
+                               batch_size=8, progress=False)  # a folder made, .npy added
     assert names == [str(k) for k in range(1, 10)] and not failures
+    np.testing.assert_array_equal(np.load(tmp_path / "new" / "rec.npy"), emb)
+    assert (tmp_path / "new" / "rec.names.txt").read_text().split() == names
     want = expected(workdir, images)
     np.testing.assert_allclose(emb, want, rtol=1e-4, atol=1e-3)
     (tmp_path / "list").mkdir()
@@ -92,7 +94,7 @@ def test_a_rec_file_and_a_list_give_their_images_in_order(workdir, tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("jax2onnx") is None,
-                    reason="jax2onnx is not installed: pip install --no-deps jax2onnx")
+                    reason="jax2onnx is not installed: pip install --no-deps jax2onnx==0.17.1")
 def test_cli_with_onnx_equals_the_workdir_and_strict_stops(workdir, tmp_path):
     from jaxcls.export import export_run
     export_run(workdir, onnx=tmp_path / "m.onnx")

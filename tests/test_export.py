@@ -20,7 +20,7 @@ from tiny import saved_run
 
 pytestmark = [pytest.mark.slow,  # compiles and converts whole backbones
               pytest.mark.skipif(importlib.util.find_spec("jax2onnx") is None,
-                                 reason="jax2onnx is not installed: pip install --no-deps jax2onnx")]
+                                 reason="jax2onnx is not installed: pip install --no-deps jax2onnx==0.17.1")]
 onnx = pytest.importorskip("onnx", reason="the export extra is not installed: pip install -e '.[export]'")
 
 BACKBONES = {  # narrow versions of each family, at the deployed 112×112 input

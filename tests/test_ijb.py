@@ -160,7 +160,18 @@ def test_ijb_layout_errors_name_the_file_and_line(tmp_path, rng):
     with pytest.raises(DataError, match="list different images"):
         read_protocol(root, "IJBC")
     media.write_text("\n".join(lines))
+    faces = root / "meta" / "ijbc_name_5pts_score.txt"
+    good_faces = faces.read_text()
+    faces.write_text(good_faces.replace(good_faces.split()[3], "x", 1))
+    with pytest.raises(DataError, match=r"ijbc_name_5pts_score.txt \(line 1\): could not convert string"):
+        read_protocol(root, "IJBC")
+    faces.write_text(good_faces)
     pairs = root / "meta" / "ijbc_template_pair_label.txt"
+    good_pairs = pairs.read_text()
+    pairs.write_text(good_pairs.replace("\n", "\n1 two 0\n", 1))
+    with pytest.raises(DataError, match=r"ijbc_template_pair_label.txt \(line 2\): invalid literal for int"):
+        read_protocol(root, "IJBC")
+    pairs.write_text(good_pairs)
     pairs.write_text(pairs.read_text() + "1 999 0\n")
     with pytest.raises(DataError, match=r"templates \[999\] have no image"):
         read_protocol(root, "IJBC")

@@ -40,6 +40,8 @@ def test_clear_errors(tmp_path):
         open_embedder(tmp_path, tmp_path / "m.onnx")
     with pytest.raises(ValueError, match="exactly one of"):
         open_embedder()
+    with pytest.raises(ValueError, match="a checkpoint step goes with a workdir"):
+        open_embedder(onnx=tmp_path / "m.onnx", step=3)
     onnx = pytest.importorskip("onnx", reason="the export extra is not installed")
     pytest.importorskip("onnxruntime", reason="the export extra is not installed")
     x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["B", 8])

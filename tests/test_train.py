@@ -200,6 +200,7 @@ def test_signals_once_request_a_stop_and_a_second_ctrl_c_aborts():
     script = """
 import signal, time
 from jaxcls.interrupts import StopRequests
+before = signal.getsignal(signal.SIGINT)  # SIG_IGN when started in a background job
 with StopRequests() as stop:  # raise_signal: to this (main) thread; the sleeps let Python run the handler there
     assert not stop.now(1)
     signal.raise_signal(signal.SIGTERM)
@@ -210,7 +211,7 @@ with StopRequests() as stop:  # raise_signal: to this (main) thread; the sleeps 
         time.sleep(5)
     except KeyboardInterrupt:
         print("aborted")
-assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+assert signal.getsignal(signal.SIGINT) is before
 """
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, JAX_PLATFORMS="cpu"))

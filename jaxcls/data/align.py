@@ -19,6 +19,8 @@ def similarity_transform(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
     src, dst = np.asarray(src, np.float64), np.asarray(dst, np.float64)
     src_mean, dst_mean = src.mean(0), dst.mean(0)
     s, d = src - src_mean, dst - dst_mean
+    if not s.var(0).sum() > 0:
+        raise ValueError(f"the points {src.tolist()} all coincide: no transform maps them")
     covariance = d.T @ s / len(src)
     u, singular, vt = np.linalg.svd(covariance)
     sign = np.array([1.0, -1.0 if np.linalg.det(covariance) < 0 else 1.0])

@@ -17,6 +17,7 @@ import io
 import os
 import re
 import struct
+import threading
 import weakref
 from pathlib import Path
 
@@ -77,6 +78,9 @@ class RecordIndex:
         return int(self.offsets[i]), int(self.lines[i])
 
 
+_OPENING = threading.Lock()  # a module's, not an instance's: sources are pickled into data workers
+
+
 class RecordFile:
     """Random access to the records of one ``.rec`` file (safe across fork: reopened per process)."""
 
@@ -90,8 +94,11 @@ class RecordFile:
             raise DataError(f"{where}: truncated record: {n} bytes wanted at byte offset {offset}, "
                             f"the file has {self.size}")
         if self._pid != os.getpid():
-            self._fd, self._pid = os.open(self.path, os.O_RDONLY), os.getpid()
-            weakref.finalize(self, os.close, self._fd)
+            with _OPENING:  # threads of one process share one descriptor, opened once
+                if self._pid != os.getpid():
+                    fd = os.open(self.path, os.O_RDONLY)
+                    weakref.finalize(self, os.close, fd)
+                    self._fd, self._pid = fd, os.getpid()
         data = os.pread(self._fd, n, offset)
         if len(data) != n:
             raise DataError(f"{where}: truncated record: {n} bytes wanted at byte offset {offset}, got {len(data)}")

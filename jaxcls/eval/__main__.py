@@ -22,6 +22,7 @@ from jaxcls.config import from_json
 from jaxcls.eval.evaluator import Evaluator
 from jaxcls.eval.roc import far_key, plot_roc, roc_curve, unmeasurable
 from jaxcls.eval.verification import FARS, l2_normalize, pair_cosines
+from jaxcls.inference import optional_import
 from jaxcls.reporting import configure_logging, run_cli
 from jaxcls.run import build
 from jaxcls.workdir import WorkdirLock, WorkdirLocked
@@ -36,6 +37,8 @@ FLAGS = flags.FLAGS
 
 def main(argv):
     configure_logging(verbose=FLAGS["verbosity"].present)
+    if FLAGS.roc:
+        optional_import("matplotlib", "plot")  # before the evaluation, not after
     distributed.initialize_from_flags()
     workdir = Path(FLAGS.workdir).absolute()
     config = from_json((workdir / "config.json").read_text())
@@ -53,7 +56,7 @@ def main(argv):
             report(step, results, workdir / f"eval_{step}.json")
             if FLAGS.roc:
                 curves = {name: roc_curve(issame, pair_cosines(l2_normalize(emb)))[:2]
-                          for name, (emb, issame) in embeddings.items()}
+                          for name, (emb, issame) in embeddings.items() if 0 < issame.sum() < len(issame)}
                 plot_roc(curves, workdir / f"roc_{step}.png", f"{workdir.name}, step {step}")
                 print(f"wrote {workdir / f'roc_{step}.png'}")
     checkpoints.close()

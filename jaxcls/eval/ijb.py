@@ -48,27 +48,36 @@ class Protocol:
     labels: np.ndarray
 
 
-def _rows(path: Path, columns: int, kinds: str) -> list[list[str]]:
+def _table(path: Path, types: tuple, kinds: str):
+    """The whitespace-separated columns of ``path`` converted by ``types`` (one per column): rows of values, or for
+    an all-int file (IJB-C's 15.7 M pairs) an int64 array read by numpy. Errors name the file and line."""
     if not path.is_file():
         raise DataError(f"{path}: missing (expected insightface's IJB layout: meta/ and loose_crop/)")
+    if all(t is int for t in types):
+        try:
+            table = np.loadtxt(path, dtype=np.int64, ndmin=2)
+            if table.size == 0 or table.shape[1] == len(types):
+                return _nonempty(table, path)
+        except ValueError:
+            pass  # read it line by line below, for an error that names the line
     rows = []
     for number, line in enumerate(path.read_text().splitlines(), 1):
         fields = line.split()
         if not fields:
             continue
-        if len(fields) != columns:
-            raise DataError(f"{path} (line {number}): {len(fields)} fields, expected {columns} ({kinds})")
-        rows.append(fields)
-    if not rows:
+        if len(fields) != len(types):
+            raise DataError(f"{path} (line {number}): {len(fields)} fields, expected {len(types)} ({kinds})")
+        try:
+            rows.append([t(f) for t, f in zip(types, fields)])
+        except ValueError as e:
+            raise DataError(f"{path} (line {number}): {e} ({kinds})") from e
+    return _nonempty(np.array(rows, np.int64) if all(t is int for t in types) else rows, path)
+
+
+def _nonempty(rows, path: Path):
+    if not len(rows):
         raise DataError(f"{path}: empty")
     return rows
-
-
-def _numbers(rows, path: Path, start: int, stop: int, dtype) -> np.ndarray:
-    try:
-        return np.array([[dtype(x) for x in row[start:stop]] for row in rows])
-    except ValueError as e:
-        raise DataError(f"{path}: {e}") from e
 
 
 def read_protocol(root: str | Path, target: str) -> Protocol:
@@ -80,20 +89,18 @@ def read_protocol(root: str | Path, target: str) -> Protocol:
     prefix = root / "meta" / target.lower()
     faces_path, media_path, pairs_path = (Path(f"{prefix}_{name}.txt") for name in
                                           ("name_5pts_score", "face_tid_mid", "template_pair_label"))
-    faces = _rows(faces_path, 12, "image, x1 y1 … x5 y5, detector score")
-    media = _rows(media_path, 3, "image, template, media")
-    pairs = _rows(pairs_path, 3, "template, template, label")
-    names = [row[0] for row in faces]
-    if names != [row[0] for row in media]:
-        i = next(i for i, (a, b) in enumerate(zip(names, [row[0] for row in media])) if a != b) \
-            if len(faces) == len(media) else min(len(faces), len(media))
-        raise DataError(f"{faces_path} and {media_path} list different images (first at line {i + 1} of "
-                        f"{len(faces)} and {len(media)} lines)")
-    templates_media = _numbers(media, media_path, 1, 3, int)
-    protocol = Protocol(root, names, _numbers(faces, faces_path, 1, 11, float).reshape(-1, 5, 2),
-                        _numbers(faces, faces_path, 11, 12, float)[:, 0], templates_media[:, 0],
-                        templates_media[:, 1], _numbers(pairs, pairs_path, 0, 2, int),
-                        _numbers(pairs, pairs_path, 2, 3, int)[:, 0])
+    faces = _table(faces_path, (str,) + (float,) * 11, "image, x1 y1 … x5 y5, detector score")
+    media = _table(media_path, (str, int, int), "image, template, media")
+    pairs = _table(pairs_path, (int, int, int), "template, template, label")
+    names, media_names = [row[0] for row in faces], [row[0] for row in media]
+    if names != media_names:
+        i = next((i for i, (a, b) in enumerate(zip(names, media_names)) if a != b), min(len(names), len(media_names)))
+        raise DataError(f"{faces_path} and {media_path} list different images (first at image {i + 1}; "
+                        f"{len(names)} and {len(media_names)} images)")
+    numbers = np.array([row[1:] for row in faces])
+    protocol = Protocol(root, names, numbers[:, :10].reshape(-1, 5, 2), numbers[:, 10],
+                        np.array([row[1] for row in media]), np.array([row[2] for row in media]), pairs[:, :2],
+                        pairs[:, 2])
     unknown = np.setdiff1d(protocol.pairs, protocol.templates)
     if unknown.size:
         raise DataError(f"{pairs_path}: templates {unknown[:5].tolist()} have no image in {media_path}")
@@ -105,7 +112,15 @@ def read_protocol(root: str | Path, target: str) -> Protocol:
 def aligned_loader(root: Path, name: str, landmarks: np.ndarray, size: int):
     """``loader()`` → the aligned uint8 ``[size, size, 3]`` face of ``root/loose_crop/name``."""
     path = root / "loose_crop" / name
-    return lambda: align_face(decode_image(path.read_bytes(), str(path)), landmarks, size)
+
+    def load():
+        image = decode_image(path.read_bytes(), str(path))
+        try:
+            return align_face(image, landmarks, size)
+        except ValueError as e:
+            raise DataError(f"{path}: {e}") from e
+
+    return load
 
 
 def template_features(features: np.ndarray, templates: np.ndarray, medias: np.ndarray):
@@ -132,9 +147,11 @@ def pair_scores(ids: np.ndarray, features: np.ndarray, pairs: np.ndarray, chunk:
 def evaluate(protocol: Protocol, face_features: np.ndarray, norm_score: bool = True,
              detector_score: bool = True) -> tuple[dict, np.ndarray]:
     """``(metrics, pair scores)`` from the (flip-summed) features ``[N, D]`` of the protocol's faces."""
-    features = np.asarray(face_features, np.float64)
-    features = features if norm_score else l2_normalize(features)
-    features = features * protocol.scores[:, None] if detector_score else features
+    features = np.array(face_features, np.float64)  # one copy, changed in place
+    if not norm_score:
+        features /= np.maximum(np.linalg.norm(features, axis=1, keepdims=True), 1e-12)
+    if detector_score:
+        features *= protocol.scores[:, None]
     ids, templates = template_features(features, protocol.templates, protocol.medias)
     scores = pair_scores(ids, templates, protocol.pairs)
     return roc_metrics(protocol.labels.astype(bool), scores, FARS), scores
@@ -144,6 +161,8 @@ def run(root, target, *, workdir=None, onnx=None, step=None, out=None, flip=True
         detector_score=True, batch_size=256, progress=True) -> dict:
     """The CLI as a function: prints the table, writes ``out`` (JSON) and ``<out>.scores.npy``; returns the JSON."""
     protocol = read_protocol(root, target)
+    out = Path(out or (Path(workdir) if workdir else Path(onnx).parent) / f"ijb_{target.lower()}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)  # before the embedding, not after
     embedder = open_embedder(workdir, onnx, step)
     loaders = [aligned_loader(protocol.root, n, lm, embedder.input_size)
                for n, lm in zip(protocol.names, protocol.landmarks)]
@@ -162,7 +181,6 @@ def run(root, target, *, workdir=None, onnx=None, step=None, out=None, flip=True
     note = unmeasurable(FARS, metrics["impostor_pairs"])
     if note:
         print(note)
-    out = Path(out or (Path(workdir) if workdir else Path(onnx).parent) / f"ijb_{target.lower()}.json")
     out.write_text(json.dumps(result, indent=1))
     np.save(out.with_suffix(".scores.npy"), scores)
     print(f"wrote {out} and {out.with_suffix('.scores.npy')}")
