@@ -21,7 +21,7 @@ import numpy as np
 from common import print_table, time_ms, write_json
 
 from jaxcls.export import export_jax, export_onnx, load_jax_export
-from jaxcls.inference import OnnxEmbedder, deployed
+from jaxcls.inference import OnnxEmbedder, deployed, deployed_input
 from jaxcls.models import create, get_model
 
 
@@ -34,7 +34,7 @@ def main():
     model = create(lambda: get_model(name, 512, input_size=112, **kwargs))
     model.eval()
     images = np.random.default_rng(0).integers(0, 256, (batch, 112, 112, 3), dtype=np.uint8)
-    x = np.transpose((images.astype(np.float32) / 255 - 0.5) / 0.5, (0, 3, 1, 2))
+    x = deployed_input(images)
     reference = np.asarray(jax.jit(deployed(model))(x))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -23,6 +23,7 @@ from absl import flags
 
 from jaxcls.data.pipeline import to_image
 from jaxcls.data.recordio import DataError, MXFaceDataset
+from jaxcls.eval.verification import embed_in_batches
 from jaxcls.inference import open_embedder
 from jaxcls.reporting import configure_logging, run_cli
 
@@ -86,11 +87,7 @@ def embed_images(embed: Callable[[np.ndarray], np.ndarray], loaders: Sequence[Ca
             good = [i for i, image in enumerate(images) if isinstance(image, np.ndarray)]
             if good:
                 batch = np.stack([images[i] for i in good])
-                padded = np.concatenate([batch, np.repeat(batch[-1:], batch_size - len(good), 0)])
-                emb = embed(padded)
-                if flip:
-                    emb = emb + embed(np.ascontiguousarray(padded[:, :, ::-1]))
-                out.append(np.asarray(emb, np.float32)[:len(good)])
+                out.append(embed_in_batches(embed, batch, batch_size, flip).astype(np.float32))
                 kept.extend(start + i for i in good)
             bar.update(len(images))
     embeddings = np.concatenate(out) if out else np.zeros((0, 0), np.float32)

@@ -56,6 +56,11 @@ def deployed(model: nnx.Module):
     return embed
 
 
+def deployed_input(images: np.ndarray) -> np.ndarray:
+    """uint8 ``[B, S, S, 3]`` RGB → what ``deployed`` models take: float32 ``[B, 3, S, S]``, ``(x/255 − 0.5)/0.5``."""
+    return np.ascontiguousarray(np.transpose((images.astype(np.float32) / 255 - 0.5) / 0.5, (0, 3, 1, 2)))
+
+
 class Embedder:
     """``embedder(uint8 [B, S, S, 3] RGB) -> float32 numpy [B, D]``: a restored run's backbone with each batch split
     over the local devices (padded to a multiple of them). ``input_size`` is ``S``."""
@@ -88,8 +93,7 @@ class OnnxEmbedder:
         self.input_name, self.input_size, self.step = spec.name, spec.shape[2], None
 
     def __call__(self, images: np.ndarray) -> np.ndarray:
-        x = np.transpose((images.astype(np.float32) / 255 - 0.5) / 0.5, (0, 3, 1, 2))
-        return self.session.run(None, {self.input_name: np.ascontiguousarray(x)})[0]
+        return self.session.run(None, {self.input_name: deployed_input(images)})[0]
 
 
 def open_embedder(workdir: str | os.PathLike | None = None, onnx: str | os.PathLike | None = None,

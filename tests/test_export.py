@@ -13,7 +13,7 @@ from jaxcls.config import base_config
 from jaxcls.data.pipeline import normalize
 from jaxcls.data.recordio import MXFaceDataset
 from jaxcls.export import ONNX_OPSET, export_run, load_jax_export
-from jaxcls.inference import OnnxEmbedder, restore_backbone
+from jaxcls.inference import OnnxEmbedder, deployed_input, restore_backbone
 from test_recordio import GLYPHS, needs_glyphs
 from tiny import get_config as tiny_config
 from tiny import saved_run
@@ -50,11 +50,6 @@ def agreement(got, want):
     return cosine.min(), np.max(np.abs(got - want) / np.abs(want).max(1, keepdims=True))
 
 
-def as_input(images):
-    """uint8 NHWC → the exported models' float32 NCHW in [-1, 1]."""
-    return np.transpose((images.astype(np.float32) / 255 - 0.5) / 0.5, (0, 3, 1, 2))
-
-
 def check_interface(path, step, model, size, features):
     """The ONNX file's declared interface: names, dynamic batch, float32 only, opset, producer, metadata."""
     proto = onnx.load(str(path))
@@ -85,7 +80,7 @@ def test_onnx_and_jax_export_embed_glyphs_as_the_backbone(name, tmp_path, rng):
     onnx_embed, from_stablehlo = OnnxEmbedder(tmp_path / "m.onnx"), load_jax_export(tmp_path / "m.jaxexport")
     for batch in (images[:1], images):  # one file, any batch size
         n = len(batch)
-        for got in (onnx_embed(batch), np.asarray(from_stablehlo(as_input(batch)))):
+        for got in (onnx_embed(batch), np.asarray(from_stablehlo(deployed_input(batch)))):
             assert got.shape == (n, 64) and got.dtype == np.float32
             cosine, relative = agreement(got.astype(np.float64), want[:n])
             print(f"{name} batch {n}: min cosine {cosine:.9f}, max relative error {relative:.2e}")
@@ -107,7 +102,7 @@ def test_cli_exports_a_bfloat16_run_in_float32_and_its_errors_are_one_line(tmp_p
     model16, _, _ = restore_backbone(tmp_path / "run", dtype=jnp.bfloat16)
     want32, want16 = (np.asarray(m(normalize(images)), np.float64) for m in (model32, model16))
     for got in (OnnxEmbedder(tmp_path / "m.onnx")(images),
-                np.asarray(load_jax_export(tmp_path / "m.jaxexport")(as_input(images)))):
+                np.asarray(load_jax_export(tmp_path / "m.jaxexport")(deployed_input(images)))):
         assert agreement(got.astype(np.float64), want32)[1] <= 1e-4 < agreement(got.astype(np.float64), want16)[1]
     for args, message in [((), "nothing to export"), (("--step", "5", "--onnx", "x.onnx"), "no checkpoint 5 in"),
                           (("--onnx", "x.onnx"), "is not a jaxcls run")]:

@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from jaxcls.data.recordio import DataError
-from jaxcls.eval.verification import evaluate, flip_sum_embeddings, kfold_accuracy, load_bin
+from jaxcls.eval.verification import embed_in_batches, evaluate, kfold_accuracy, load_bin
 
 
 def test_hand_computed_case():
@@ -43,10 +43,14 @@ def test_flip_sum_pads_last_batch():
         calls.append(len(x))
         return x.reshape(len(x), -1)[:, :2].astype(float)
 
-    out = flip_sum_embeddings(embed, images, batch_size=4)
+    out = embed_in_batches(embed, images, batch_size=4)
     assert out.shape == (5, 2) and calls == [4, 4, 4, 4]
     expected = images.reshape(5, -1)[:, :2] + images[:, :, ::-1].reshape(5, -1)[:, :2]
     np.testing.assert_array_equal(out, expected)
+    calls.clear()
+    np.testing.assert_array_equal(embed_in_batches(embed, images, batch_size=4, flip=False),
+                                  images.reshape(5, -1)[:, :2])
+    assert calls == [4, 4]
 
 
 def png(seed):

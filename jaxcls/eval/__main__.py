@@ -20,7 +20,7 @@ from jaxcls import distributed
 from jaxcls.checkpoint import RunCheckpoints
 from jaxcls.config import from_json
 from jaxcls.eval.evaluator import Evaluator
-from jaxcls.eval.roc import far_key, plot_roc, roc_curve, unmeasurable
+from jaxcls.eval.roc import far_key, has_both_kinds, plot_roc, roc_curve, unmeasurable
 from jaxcls.eval.verification import FARS, l2_normalize, pair_cosines
 from jaxcls.inference import optional_import
 from jaxcls.reporting import configure_logging, run_cli
@@ -56,7 +56,7 @@ def main(argv):
             report(step, results, workdir / f"eval_{step}.json")
             if FLAGS.roc:
                 curves = {name: roc_curve(issame, pair_cosines(l2_normalize(emb)))[:2]
-                          for name, (emb, issame) in embeddings.items() if 0 < issame.sum() < len(issame)}
+                          for name, (emb, issame) in embeddings.items() if has_both_kinds(issame)}
                 plot_roc(curves, workdir / f"roc_{step}.png", f"{workdir.name}, step {step}")
                 print(f"wrote {workdir / f'roc_{step}.png'}")
     checkpoints.close()

@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from jaxcls.data.pipeline import normalize
-from jaxcls.eval.verification import evaluate, flip_sum_embeddings, load_bin
+from jaxcls.eval.verification import embed_in_batches, evaluate, load_bin
 from jaxcls.mesh import batch_sharding, replicated
 
 log = logging.getLogger("jaxcls")
@@ -54,7 +54,7 @@ class Evaluator:
 
     def embeddings(self, state: dict) -> dict:
         """``{set name: (flip-summed embeddings [2P, D], issame [P])}``."""
-        return {name: (flip_sum_embeddings(lambda x: self.embed(state, x), images, self.batch), issame)
+        return {name: (embed_in_batches(lambda x: self.embed(state, x), images, self.batch), issame)
                 for name, images, issame in self.sets}
 
     def __call__(self, state: dict) -> dict:

@@ -53,7 +53,8 @@ def _table(path: Path, types: tuple, kinds: str):
     an all-int file (IJB-C's 15.7 M pairs) an int64 array read by numpy. Errors name the file and line."""
     if not path.is_file():
         raise DataError(f"{path}: missing (expected insightface's IJB layout: meta/ and loose_crop/)")
-    if all(t is int for t in types):
+    integers = all(t is int for t in types)
+    if integers:
         try:
             table = np.loadtxt(path, dtype=np.int64, ndmin=2)
             if table.size == 0 or table.shape[1] == len(types):
@@ -71,7 +72,7 @@ def _table(path: Path, types: tuple, kinds: str):
             rows.append([t(f) for t, f in zip(types, fields)])
         except ValueError as e:
             raise DataError(f"{path} (line {number}): {e} ({kinds})") from e
-    return _nonempty(np.array(rows, np.int64) if all(t is int for t in types) else rows, path)
+    return _nonempty(np.array(rows, np.int64) if integers else rows, path)
 
 
 def _nonempty(rows, path: Path):
@@ -149,7 +150,7 @@ def evaluate(protocol: Protocol, face_features: np.ndarray, norm_score: bool = T
     """``(metrics, pair scores)`` from the (flip-summed) features ``[N, D]`` of the protocol's faces."""
     features = np.array(face_features, np.float64)  # one copy, changed in place
     if not norm_score:
-        features /= np.maximum(np.linalg.norm(features, axis=1, keepdims=True), 1e-12)
+        features = l2_normalize(features)
     if detector_score:
         features *= protocol.scores[:, None]
     ids, templates = template_features(features, protocol.templates, protocol.medias)

@@ -9,12 +9,17 @@ import numpy as np
 from jaxcls.inference import optional_import
 
 
+def has_both_kinds(labels) -> bool:
+    """Whether ``labels`` hold genuine and impostor pairs, as an ROC needs."""
+    return 0 < np.count_nonzero(labels) < np.size(labels)
+
+
 def roc_curve(labels, scores) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(fpr, tpr, thresholds)``, thresholds from ``inf`` down to the lowest score, exactly as sklearn's
     ``roc_curve(labels, scores)`` (which insightface's IJB script uses): one point per distinct score, and a point
     dropped where both counts grow by the same step as at the point before (``drop_intermediate``)."""
     labels, scores = np.asarray(labels, bool), np.asarray(scores, np.float64)
-    if labels.all() or not labels.any():
+    if not has_both_kinds(labels):
         raise ValueError(f"an ROC needs genuine and impostor pairs; got {labels.sum()} genuine of {labels.size}")
     order = np.argsort(-scores, kind="stable")
     scores, labels = scores[order], labels[order]

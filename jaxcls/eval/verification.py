@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxcls.data.pipeline import to_image
 from jaxcls.data.recordio import DataError
-from jaxcls.eval.roc import roc_metrics
+from jaxcls.eval.roc import has_both_kinds, roc_metrics
 
 FARS = (1e-1, 1e-2, 1e-3, 1e-4)
 
@@ -80,7 +80,7 @@ def evaluate(embeddings: np.ndarray, issame: np.ndarray, nrof_folds: int = 10) -
             "best_threshold": float(thresholds.mean()), "xnorm": xnorm,
             # 1 when every embedding points the same way: collapse
             "mean_cosine": float(mean_direction @ mean_direction),
-            **(roc_metrics(issame, pair_cosines(e), FARS) if 0 < np.sum(issame) < len(issame) else {})}
+            **(roc_metrics(issame, pair_cosines(e), FARS) if has_both_kinds(issame) else {})}
 
 
 def l2_normalize(x: np.ndarray) -> np.ndarray:
@@ -92,14 +92,17 @@ def pair_cosines(normalized: np.ndarray) -> np.ndarray:
     return np.sum(normalized[0::2] * normalized[1::2], axis=1)
 
 
-def flip_sum_embeddings(embed_fn, images: np.ndarray, batch_size: int) -> np.ndarray:
-    """``embed_fn(uint8 [B, S, S, 3]) -> [B, D]`` on images and their flips, summed; pads the last batch."""
+def embed_in_batches(embed_fn, images: np.ndarray, batch_size: int, flip: bool = True) -> np.ndarray:
+    """``embed_fn(uint8 [B, S, S, 3]) -> [B, D]`` over ``images`` in batches of ``batch_size`` (the last one padded,
+    so one compiled program serves all); with ``flip`` each image's and its mirror's embeddings summed."""
     out = []
     for start in range(0, len(images), batch_size):
         chunk = images[start:start + batch_size]
         pad = batch_size - len(chunk)
         if pad:
             chunk = np.concatenate([chunk, np.repeat(chunk[-1:], pad, 0)])
-        emb = np.asarray(embed_fn(chunk)) + np.asarray(embed_fn(np.ascontiguousarray(chunk[:, :, ::-1])))
+        emb = np.asarray(embed_fn(chunk))
+        if flip:
+            emb = emb + np.asarray(embed_fn(np.ascontiguousarray(chunk[:, :, ::-1])))
         out.append(emb[:batch_size - pad] if pad else emb)
     return np.concatenate(out)
