@@ -53,8 +53,8 @@ def environment() -> dict:
 
 def print_table(rows: list[dict], columns: list[str]) -> None:
     def fmt(v):
-        if v is None:
-            return "-"
+        if v is None or isinstance(v, bool):
+            return "-" if v is None else str(v)
         if isinstance(v, float):
             return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
         return f"{v:,}" if isinstance(v, int) else str(v)

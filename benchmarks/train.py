@@ -4,6 +4,8 @@
                                                # PartialFC 0.1, bf16; data already on the device
     python benchmarks/train.py --pipeline DIR  # the same step fed by the RecordIO pipeline from DIR
     python benchmarks/train.py --small         # r18 (width 8) at 32×32 on 8 CPU devices; what the tests run
+    python benchmarks/train.py --cpu --bn_sync both --steps 5   # r50 at 112×112, batch 16, float32 on 8 CPU
+                                               # devices, BatchNorm statistics per device and over the global batch
 
 Extra ``--set key=value`` pairs override config keys (e.g. ``--set chunk_size=65536``).
 """
@@ -11,10 +13,11 @@ Extra ``--set key=value`` pairs override config keys (e.g. ``--set chunk_size=65
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 
-if "--small" in sys.argv:
+if "--small" in sys.argv or "--cpu" in sys.argv:
     from common import force_cpu_devices
 
     force_cpu_devices(8)
@@ -67,7 +70,7 @@ def measure(config, steps, pipeline_root=None, warmup=3):
     jax.block_until_ready(metrics)
     seconds = time.perf_counter() - start
     return {"model": config.model, "batch": config.batch_size, "classes": config.num_classes,
-            "sample_rate": config.sample_rate, "precision": config.precision,
+            "sample_rate": config.sample_rate, "precision": config.precision, "bn_sync": config.bn_sync,
             "input": "pipeline" if pipeline_root else "on device", "img_per_s": steps * config.batch_size / seconds,
             "ms_per_step": 1e3 * seconds / steps, "peak_bytes": peak_device_bytes(), **compiled_memory(step),
             "loss": float(metrics["loss"])}
@@ -76,26 +79,34 @@ def measure(config, steps, pipeline_root=None, warmup=3):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true")
+    parser.add_argument("--cpu", action="store_true", help="r50 at 112×112, batch 16, float32 on 8 CPU devices")
+    parser.add_argument("--bn_sync", choices=["off", "on", "both"], default="off",
+                        help="BatchNorm statistics per device (off), over the global batch (on), or a row of each")
     parser.add_argument("--pipeline", default=None, help="RecordIO folder to feed the step from")
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 30; --small 2, --cpu 5)")
     parser.add_argument("--set", action="append", default=[], help="config override key=value")
     parser.add_argument("--out", default="benchmarks/results/train.json")
     args = parser.parse_args()
     if args.small:
         grid, steps = [("r18", 32, 1000, 0.1, "float32", 32)], 2
+    elif args.cpu:
+        grid, steps = [("r50", 16, 1000, 1.0, "float32", 112)], 5
     else:
         grid = [(m, b, 1_000_000, 0.1, "bfloat16", 112) for m in ("r50", "r100") for b in (128, 256, 512)]
         grid += [("mbf", 512, 1_000_000, 0.1, "bfloat16", 112)]
-        steps = args.steps
+        steps = 30
+    steps = args.steps or steps
+    syncs = {"off": [False], "on": [True], "both": [False, True]}[args.bn_sync]
     rows = []
-    for model, batch, classes, rate, precision, size in grid:
+    for (model, batch, classes, rate, precision, size), bn_sync in itertools.product(grid, syncs):
         config = step_config(model, batch, classes, rate, precision, size, args.set)
+        config.bn_sync = bn_sync
         if args.small:  # a narrow model that a CPU steps through in a second
             config.model_kwargs = dict(width=8)
             config.num_features = 32
         rows.append(measure(config, steps, args.pipeline))
-    print_table(rows, ["model", "batch", "classes", "sample_rate", "precision", "input", "img_per_s", "ms_per_step",
-                       "peak_bytes", "temp_bytes"])
+    print_table(rows, ["model", "batch", "classes", "sample_rate", "precision", "bn_sync", "input", "img_per_s",
+                       "ms_per_step", "peak_bytes", "temp_bytes"])
     write_json(args.out, rows)
 
 

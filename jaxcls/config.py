@@ -42,6 +42,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.num_features = 128
     c.precision = "float32"  # compute dtype: float32 | bfloat16 | float16 (dynamic loss scaling)
     c.remat = "none"  # none | full | save_dots | save_block_outputs
+    c.bn_sync = False  # BatchNorm statistics in training: per device (arcface_torch) or, True, over the global batch
     # FC head and loss.
     c.margin = ml_collections.ConfigDict(dict(name="cosface", s=64.0, m=0.4, straight_through=False))
     c.sample_rate = 1.0  # PartialFC

@@ -89,7 +89,8 @@ class Run:
             f"{len(self.source):,} images of {self.source.num_classes():,} classes")
         return [
             f"model {c.model} {dict(c.model_kwargs)}: {params / 1e6:.2f}M parameters, {c.num_features}-d "
-            f"embeddings, compute {c.precision}, remat {c.remat}",
+            f"embeddings, compute {c.precision}, remat {c.remat}, BatchNorm statistics "
+            f"{'of the global batch' if c.bn_sync else 'per device'}",
             f"FC {c.num_classes:,} classes × {c.num_features} ({c.fc_dtype}) over {shards} class shards, "
             f"{head.rows // shards:,} rows per device; {c.margin.name} s={c.margin.s:g} m={c.margin.m:g}; {sampling}",
             f"mesh data={self.mesh.shape['data']} × class={self.mesh.shape['class']} "
@@ -106,14 +107,21 @@ def make_margin(margin_config) -> CombinedMargin:
                                        straight_through=margin_config.straight_through)
 
 
-def make_model(config, dtype=None, seed=None) -> nnx.Module:
-    """The backbone of ``config`` in training mode, its parameters drawn from ``seed`` (default ``config.seed``)."""
+def make_model(config, dtype=None, seed=None, bn_groups: int = 1) -> nnx.Module:
+    """The backbone of ``config`` in training mode, its parameters drawn from ``seed`` (default ``config.seed``),
+    its training BatchNorm statistics per block of ``B / bn_groups`` rows (``bn_groups(config, mesh)``)."""
     dtype = compute_dtype(config.precision) if dtype is None else dtype
     seed = config.seed if seed is None else seed
     rngs = nnx.Rngs(params=jax.random.key(seed), dropout=jax.random.key(seed + 1))  # seed may be traced
     return get_model(config.model, config.num_features, dtype=dtype, remat=config.remat,
-                     input_size=config.data.input_size, rngs=rngs,
+                     input_size=config.data.input_size, bn_groups=bn_groups, rngs=rngs,
                      **config.model_kwargs)
+
+
+def bn_groups(config, mesh: Mesh) -> int:
+    """1 with ``bn_sync`` (statistics over the global batch), else every device of the mesh (one block of rows each,
+    as ``batch_sharding`` places them)."""
+    return 1 if config.bn_sync else mesh.size
 
 
 def split_model(model: nnx.Module):
@@ -135,7 +143,8 @@ def build(config, devices=None, with_data: bool = True) -> Run:
         check_data_classes(config, source.num_classes())
     mesh = make_mesh(config.mesh_data, len(devices) // config.mesh_data, devices=devices)
     dtype, fc_dtype = compute_dtype(config.precision), compute_dtype(config.fc_dtype)
-    abstract_model = nnx.eval_shape(lambda: make_model(config, dtype))
+    groups = bn_groups(config, mesh)
+    abstract_model = nnx.eval_shape(lambda: make_model(config, dtype, bn_groups=groups))
     graphdef = split_model(abstract_model)[0]
     abstract_model.eval()
     eval_graphdef = split_model(abstract_model)[0]

@@ -10,7 +10,8 @@ from flax import nnx
 
 from jaxcls.models import MODELS, count_params, create, get_model
 from jaxcls.models.iresnet import STAGES
-from jaxcls.models.layers import fused_silu
+from jaxcls.models.layers import BatchNorm, fused_silu
+from jaxcls.models.vit import Block
 from jaxcls.precision import all_finite
 from reference import rel_err
 
@@ -187,3 +188,61 @@ def test_fused_silu_saves_only_its_input():
         jax.eval_shape(lambda v: jax.vjp(f, v)[1], x)))
     assert residual_bytes(fused_silu) == 256 * 1024 * 4
     assert residual_bytes(jax.nn.silu) > residual_bytes(fused_silu)
+
+
+def grouped_batchnorm_reference(x, scale, bias, mean, var, g, groups, momentum=0.9, eps=1e-5):
+    """Per-group batch norm in float64: output, d/d (x, scale, bias) of ``sum(output · g)``, new running stats."""
+    blocks, dy = x.reshape(groups, -1, x.shape[-1]), g.reshape(groups, -1, x.shape[-1])  # [G, rows·spatial, C]
+    mu, sigma2 = blocks.mean(1, keepdims=True), blocks.var(1, keepdims=True)
+    xhat = (blocks - mu) / np.sqrt(sigma2 + eps)
+    dx = scale / np.sqrt(sigma2 + eps) * (dy - dy.mean(1, keepdims=True) - xhat * (dy * xhat).mean(1, keepdims=True))
+    n = blocks.shape[1]
+    new_mean = momentum * mean + (1 - momentum) * mu.mean(axis=(0, 1))
+    new_var = momentum * var + (1 - momentum) * sigma2.mean(axis=(0, 1)) * n / (n - 1)
+    return ((xhat * scale + bias).reshape(x.shape), (dx.reshape(x.shape), (dy * xhat).sum((0, 1)), dy.sum((0, 1))),
+            (new_mean, new_var))
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+def test_batchnorm_in_groups_matches_float64_per_group_reference(groups, rng):
+    x, g = rng.normal(1.0, 2.0, (8, 3, 3, 5)), rng.normal(size=(8, 3, 3, 5))
+    scale, bias = rng.uniform(0.5, 2, 5), rng.normal(size=5)
+    mean, var = rng.normal(size=5), rng.uniform(0.5, 2, 5)
+    bn = BatchNorm(5, groups=groups)
+    for variable, value in ((bn.scale, scale), (bn.bias, bias), (bn.mean, mean), (bn.var, var)):
+        variable.set_value(jnp.asarray(value, jnp.float32))
+    graphdef, params, stats = nnx.split(bn, nnx.Param, ...)
+
+    def apply(x, params, stats):  # stats enter as a primal: NNX mutates BatchStats only of the trace that made them
+        module = nnx.merge(graphdef, params, stats)
+        return module(x), nnx.state(module, nnx.BatchStat)
+
+    out, pullback, new = jax.vjp(apply, jnp.asarray(x, jnp.float32), params, stats, has_aux=True)
+    dx, dparams, _ = pullback(jnp.asarray(g, jnp.float32))
+    ref_out, (ref_dx, ref_dscale, ref_dbias), (ref_mean, ref_var) = grouped_batchnorm_reference(
+        x, scale, bias, mean, var, g, groups)
+    for actual, expected in [(out, ref_out), (dx, ref_dx), (dparams["scale"][...], ref_dscale),
+                             (dparams["bias"][...], ref_dbias), (new["mean"][...], ref_mean),
+                             (new["var"][...], ref_var)]:
+        assert rel_err(actual, expected) < 1e-5
+    with pytest.raises(ValueError, match="BatchNorm in 4 groups needs a batch divisible by it, got 6"):
+        BatchNorm(5, groups=4)(jnp.zeros((6, 5)))
+
+
+def einsum_attention(block, x):
+    """The ViT's former attention: two einsums, logits and softmax in float32."""
+    n, t, d = x.shape
+    q, k, v = jnp.moveaxis(block.qkv(x).reshape(n, t, 3, block.heads, d // block.heads), 2, 0)
+    logits = jnp.einsum("nqhc,nkhc->nhqk", q, k, preferred_element_type=jnp.float32) / np.sqrt(d // block.heads)
+    attn = jax.nn.softmax(logits, axis=-1).astype(x.dtype)
+    return block.proj(jnp.einsum("nhqk,nkhc->nqhc", attn, v).reshape(n, t, d))
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(jnp.float32, 1e-6), (jnp.bfloat16, 2e-2)])
+def test_vit_attention_equals_einsum_attention(dtype, tolerance, rng):
+    block = Block(32, 4, 0.0, act="relu6", dtype=dtype, rngs=nnx.Rngs(int(rng.integers(2**31))))
+    x, g = (jnp.asarray(rng.normal(size=(3, 7, 32)), dtype) for _ in range(2))
+    value_and_dx = lambda f, x: (f(x), jax.vjp(f, x)[1](g)[0])
+    (out, dx), (ref, ref_dx) = jax.jit(lambda x: (value_and_dx(block._attention, x),
+                                                  value_and_dx(lambda v: einsum_attention(block, v), x)))(x)
+    assert out.dtype == dtype and rel_err(out, ref) < tolerance and rel_err(dx, ref_dx) < tolerance

@@ -29,9 +29,12 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 HEARTBEAT = 10  # seconds: the dead-peer bound these tests run with
 # 12 steps of the tiny config on a (data=2, class=4) mesh, the FC split over `class` only (replicated over the
-# data axis, which spans the processes), PartialFC; an eval and a checkpoint at step 6 and at the end
+# data axis, which spans the processes), PartialFC; an eval and a checkpoint at step 6 and at the end. BatchNorm over
+# the global batch: with per-device statistics of 4 rows this tiny run amplifies float rounding (1 × 8 and 2 × 4 are
+# the same run, equal to 3e-6 after 4 steps, yet 4e-4 apart after 6 and 1e-1 after 11)
 TRAIN = ["jaxcls.train", "--config", "tests/tiny.py", "--config.total_steps=12", "--config.mesh_data=2",
-         "--config.class_axes=class", "--config.sample_rate=0.5", "--config.eval_every=6", "--config.ckpt_every=6"]
+         "--config.class_axes=class", "--config.sample_rate=0.5", "--config.eval_every=6", "--config.ckpt_every=6",
+         "--config.bn_sync=True"]
 
 
 def free_port() -> int:
@@ -88,13 +91,16 @@ def metrics(workdir: Path) -> list[dict]:
 
 
 def check_same_run(rows: list[dict], reference: list[dict]) -> None:
-    """Equal steps, losses to float tolerance (collectives may sum in another order), equal eval accuracy."""
+    """Equal steps, losses to float tolerance (collectives may sum in another order), eval accuracy within 1%."""
     assert [r["step"] for r in rows] == [r["step"] for r in reference]
     # 1.4e-5 seen at step 11: gloo sums in another order, and training amplifies it; a wrong batch differs by ~1e-1
     np.testing.assert_allclose([r["loss"] for r in rows], [r["loss"] for r in reference], rtol=1e-4)
     evals = [(r["step"], r["val/heldout/accuracy"]) for r in rows if "val/heldout/accuracy" in r]
-    assert evals == [(r["step"], r["val/heldout/accuracy"]) for r in reference if "val/heldout/accuracy" in r]
-    assert len(evals) >= 1
+    expected = [(r["step"], r["val/heldout/accuracy"]) for r in reference if "val/heldout/accuracy" in r]
+    assert [s for s, _ in evals] == [s for s, _ in expected] and len(evals) >= 1
+    # accuracy over 600 held-out pairs with thresholds chosen per fold: a 1e-5 change of the embeddings can move a
+    # threshold past a few pairs (0.585 vs 0.590 seen at step 12 after a resume); 1% is 6 pairs
+    np.testing.assert_allclose([a for _, a in evals], [a for _, a in expected], atol=0.01)
 
 
 def kill_after_step_7(procs: list[subprocess.Popen], workdir: Path, logs: Path) -> tuple[int, float]:

@@ -56,7 +56,8 @@ def test_without_data_opens_nothing_but_generated_sources(tmp_path):
 def test_summary_names_the_resolved_run(run_and_state):
     text = "\n".join(run_and_state[0].summary())
     for part in ("model r18", "64 classes × 32", "8 class shards, 8 rows per device", "PartialFC 0.5",
-                 "data=1 × class=8", "global batch 32 (4 per device)", "512 images of 64 classes"):
+                 "data=1 × class=8", "global batch 32 (4 per device)", "512 images of 64 classes",
+                 "BatchNorm statistics per device"):
         assert part in text, (part, text)
     assert len(run_and_state[0].summary()) <= 6
 

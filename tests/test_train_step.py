@@ -1,11 +1,18 @@
-"""The one jitted train step: gradient accumulation, skipped non-finite steps in every precision, float16 loss scaling."""
+"""The one jitted train step: gradient accumulation, skipped non-finite steps in every precision, float16 loss scaling,
+BatchNorm statistics per device or over the global batch."""
+
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+from jaxcls.data.pipeline import normalize
+from jaxcls.hlo import collectives
 from jaxcls.run import build
+from reference import rel_err
 from tiny import get_config as tiny_config
 
 pytestmark = pytest.mark.slow  # each test compiles whole train steps
@@ -73,3 +80,113 @@ def test_float32_non_finite_step_changes_no_weight(rng):
         for a, b in zip(jax.tree.leaves(new[k]), jax.tree.leaves(state[k])):
             np.testing.assert_array_equal(as_numpy(a), as_numpy(b), err_msg=f"{k} (NaN in params leaf {poisoned})")
     assert int(new["step"]) == 3
+
+
+def past_warmup(state):
+    """``state`` at step 1, where the lr is no longer 0."""
+    return {**state, "step": jax.device_put(jnp.int32(1), state["step"].sharding)}
+
+
+def running_stats(run, state):
+    """The BatchNorm running statistics of a train state."""
+    return nnx.state(nnx.merge(run.trainer.graphdef, state["params"], state["stats"]), nnx.BatchStat)
+
+
+def assert_close(a, b, rtol=1e-4, atol=1e-6):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(x, y, rtol=rtol, atol=atol)
+
+
+def train_steps(run, state, batches):
+    step = jax.jit(run.trainer.train_step)
+    losses = []
+    for images, labels in batches:
+        state, metrics = step(jax.device_put(state, run.state_shardings), images, labels)
+        losses.append(float(metrics["loss"]))
+    return state, losses
+
+
+def test_bn_sync_one_device_equals_eight_and_per_device_statistics_differ(rng):
+    """Two steps from one state: 8 devices with bn_sync compute what one device computes (where statistics are
+    always over the whole batch); 8 devices without it normalize each device's 4 rows alone, another step."""
+    synced_run = build(tiny_config(bn_sync=True))
+    state = past_warmup(synced_run.init_state())
+    batches = [batch(rng, 32) for _ in range(2)]
+    one, one_losses = train_steps(build(tiny_config(bn_sync=True), devices=jax.devices()[:1]), state, batches)
+    synced, synced_losses = train_steps(synced_run, state, batches)
+    np.testing.assert_allclose(synced_losses, one_losses, rtol=1e-5)
+    assert_close((synced["params"], running_stats(synced_run, synced)), (one["params"], running_stats(synced_run, one)))
+    # without bn_sync, each device's 4 rows have their own statistics: the step is another one
+    per_device_run = build(tiny_config())
+    per_device, per_device_losses = train_steps(per_device_run, state, batches)
+    flat = lambda stats: np.concatenate([np.ravel(x) for x in jax.tree.leaves(stats)])
+    assert abs(per_device_losses[1] - one_losses[1]) > 1e-2  # measured 1.2
+    assert rel_err(flat(running_stats(per_device_run, per_device)), flat(running_stats(synced_run, one))) > 1e-3
+
+
+def test_per_device_statistics_step_equals_accumulating_the_devices_rows(rng):
+    """bn_sync=False on 8 devices == one device accumulating 8 micro-batches, micro-batch j being device j's 4 rows
+    (each normalized alone, the loss over all 32, the gradients summed); the running statistics move towards the
+    mean over the devices of what each device's rows give."""
+    run = build(tiny_config())
+    state = past_warmup(run.init_state())
+    images, labels = batch(rng, 32)
+    new, metrics = jax.jit(run.trainer.train_step)(state, images, labels)
+
+    accumulating = build(tiny_config(accum_steps=8), devices=jax.devices()[:1])
+    to_micro = lambda x: x.reshape(8, 4, *x.shape[1:]).swapaxes(0, 1).reshape(x.shape)  # row 8i + j = row 4j + i
+    ref, ref_metrics = jax.jit(accumulating.trainer.train_step)(
+        jax.device_put(state, accumulating.state_shardings), to_micro(images), to_micro(labels))
+    np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-5)
+    assert_close(new["params"], ref["params"])
+
+    @jax.jit
+    def statistics(params, stats, rows):  # a training-mode forward of one device's rows alone
+        model = nnx.merge(accumulating.trainer.graphdef, params, stats)
+        model(normalize(rows))
+        return nnx.state(model, nnx.BatchStat)
+
+    per_device = [statistics(state["params"], state["stats"], images[4 * d: 4 * d + 4]) for d in range(8)]
+    assert_close(running_stats(run, new), jax.tree.map(lambda *s: np.mean(s, axis=0), *per_device), rtol=1e-5)
+
+
+def r50_config(**overrides):
+    """ms1mv3_r50's backbone (full width, 112×112, 512-d) in float32, a batch of 16, 64 classes."""
+    c = tiny_config(model="r50", num_features=512, batch_size=16, **overrides)
+    c.model_kwargs, c.data.kind, c.data.input_size = {}, "synthetic", 112
+    return c
+
+
+def backbone_all_reduces(hlo_text: str) -> dict:
+    """``{"forward" | "backward": [instructions, bytes]}`` of the all-reduces that the backbone's forward (op_name
+    ``…/jvp()/…``) and backward (``…/transpose(jvp())/…``) put in a compiled train step (with remat "none" the
+    backbone runs in no loop: each executes once)."""
+    found = {"forward": [0, 0], "backward": [0, 0]}
+    for line in hlo_text.splitlines():
+        for c in collectives(line):
+            name = re.search(r'op_name="([^"]*)"', line).group(1)
+            part = None if c.op != "all-reduce" or "shard_map" in name else (
+                "backward" if "transpose(jvp" in name else "forward" if "jvp(" in name else None)
+            if part:
+                found[part][0] += 1
+                found[part][1] += c.result_bytes
+    return found
+
+
+def test_r50_step_all_reduces_batchnorm_statistics_only_with_bn_sync():
+    """Each reduction kept as its own all-reduce (XLA:CPU's combiner off), 8 devices. Without bn_sync the forward
+    all-reduces one [2C] vector per BatchNorm layer (its running mean and variance, needed by no later layer)
+    and the backward exactly the parameter gradients; with bn_sync the forward needs the mean, then the
+    variance, of every layer, and the backward their gradients' sums."""
+    parts = {}
+    for sync in (False, True):
+        run = build(r50_config(bn_sync=sync), with_data=False)
+        compiled = run.compile_step(run.abstract_state, {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"})
+        parts[sync] = backbone_all_reduces(compiled.as_text())
+    stats = jax.tree.leaves(nnx.filter_state(run.abstract_state["stats"], nnx.BatchStat))
+    layers = sum(s.size // s.shape[-1] for s in stats) // 2  # 79; stacked blocks' statistics are [depth, C]
+    stat_bytes = 4 * sum(s.size for s in stats)  # running mean and variance, float32
+    param_bytes = 4 * sum(p.size for p in jax.tree.leaves(run.abstract_state["params"]))
+    assert parts[False] == {"forward": [layers, stat_bytes], "backward": [parts[False]["backward"][0], param_bytes]}
+    assert parts[True]["forward"] == [2 * layers, stat_bytes]
+    assert parts[True]["backward"][1] >= param_bytes + stat_bytes

@@ -2,7 +2,8 @@
 
 Names: r18 r34 r50 r100 r200 (IResNet), mbf (MobileFaceNet), vit_t vit_s vit_b (arcface_torch's ViTs).
 Common kwargs: ``dtype`` (compute dtype), ``remat`` (none | full | save_dots | save_block_outputs),
-``input_size`` (112), ``rngs`` (default ``nnx.Rngs(0)``).
+``input_size`` (112), ``bn_groups`` (1: training BatchNorm statistics over the whole batch; G: per block of
+B/G consecutive rows, one block per device), ``rngs`` (default ``nnx.Rngs(0)``).
 """
 
 from __future__ import annotations

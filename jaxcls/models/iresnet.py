@@ -19,17 +19,17 @@ _CONV_INIT = nnx.initializers.normal(0.1)  # arcface_torch initialises every con
 
 
 class IBasicBlock(nnx.Module):
-    def __init__(self, in_ch: int, out_ch: int, stride: int, *, dtype, rngs: nnx.Rngs):
-        self.bn1 = BatchNorm(in_ch, dtype=dtype)
+    def __init__(self, in_ch: int, out_ch: int, stride: int, *, dtype, bn_groups: int, rngs: nnx.Rngs):
+        self.bn1 = BatchNorm(in_ch, dtype=dtype, groups=bn_groups)
         self.conv1 = conv(in_ch, out_ch, 3, padding=1, dtype=dtype, rngs=rngs, init=_CONV_INIT)
-        self.bn2 = BatchNorm(out_ch, dtype=dtype)
+        self.bn2 = BatchNorm(out_ch, dtype=dtype, groups=bn_groups)
         self.prelu = PReLU(out_ch)
         self.conv2 = conv(out_ch, out_ch, 3, stride, padding=1, dtype=dtype, rngs=rngs, init=_CONV_INIT)
-        self.bn3 = BatchNorm(out_ch, dtype=dtype)
+        self.bn3 = BatchNorm(out_ch, dtype=dtype, groups=bn_groups)
         reshape = stride != 1 or in_ch != out_ch
         self.downsample = nnx.Sequential(
             conv(in_ch, out_ch, 1, stride, padding=0, dtype=dtype, rngs=rngs, init=_CONV_INIT),
-            BatchNorm(out_ch, dtype=dtype)) if reshape else None
+            BatchNorm(out_ch, dtype=dtype, groups=bn_groups)) if reshape else None
 
     def __call__(self, x):
         out = self.bn3(self.conv2(self.prelu(self.bn2(self.conv1(self.bn1(x))))))
@@ -42,26 +42,27 @@ class IResNet(nnx.Module):
 
     def __init__(self, stages=STAGES["r50"], *, num_features: int = 512, dropout: float = 0.0,
                  dtype=jnp.float32, remat: str = "none", input_size: int = 112, width: int = 64,
-                 rngs: nnx.Rngs):
-        """``width`` scales every stage (64 is insightface's; smaller widths suit CPU recipes)."""
+                 bn_groups: int = 1, rngs: nnx.Rngs):
+        """``width`` scales every stage (64 is insightface's; smaller widths suit CPU recipes); ``bn_groups``:
+        see ``BatchNorm``."""
         self.remat = remat
         self.dtype = dtype
         widths = [w * width // 64 for w in WIDTHS]
         self.conv1 = conv(3, widths[0], 3, padding=1, dtype=dtype, rngs=rngs, init=_CONV_INIT)
-        self.bn1 = BatchNorm(widths[0], dtype=dtype)
+        self.bn1 = BatchNorm(widths[0], dtype=dtype, groups=bn_groups)
         self.prelu = PReLU(widths[0])
         firsts, rests, in_ch = [], [], widths[0]
         for depth, width in zip(stages, widths):  # a stage: one strided block, then depth − 1 identical ones
-            firsts.append(IBasicBlock(in_ch, width, 2, dtype=dtype, rngs=rngs))
-            make = lambda rngs, width=width: IBasicBlock(width, width, 1, dtype=dtype, rngs=rngs)
+            firsts.append(IBasicBlock(in_ch, width, 2, dtype=dtype, bn_groups=bn_groups, rngs=rngs))
+            make = lambda rngs, width=width: IBasicBlock(width, width, 1, dtype=dtype, bn_groups=bn_groups, rngs=rngs)
             rests.append(BlockStack(make, depth - 1, remat=remat, rngs=rngs) if depth > 1 else None)
             in_ch = width
         self.firsts, self.rests = nnx.List(firsts), nnx.List(rests)
-        self.bn2 = BatchNorm(in_ch, dtype=dtype)
+        self.bn2 = BatchNorm(in_ch, dtype=dtype, groups=bn_groups)
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
         spatial = input_size // 16
         self.fc = nnx.Linear(in_ch * spatial * spatial, num_features, dtype=jnp.float32, rngs=rngs)
-        self.features = BatchNorm(num_features, dtype=jnp.float32, use_scale=False)
+        self.features = BatchNorm(num_features, dtype=jnp.float32, use_scale=False, groups=bn_groups)
 
     def __call__(self, x):
         x = self.prelu(self.bn1(self.conv1(x.astype(self.dtype))))

@@ -11,9 +11,10 @@ from jaxcls.models.layers import BatchNorm, PReLU, conv, remat_call, tag_block_o
 class ConvBlock(nnx.Module):
     """conv (no bias) → BN → PReLU, or without PReLU when ``linear``."""
 
-    def __init__(self, in_ch, out_ch, kernel=1, stride=1, padding=0, groups=1, *, linear=False, dtype, rngs):
+    def __init__(self, in_ch, out_ch, kernel=1, stride=1, padding=0, groups=1, *, linear=False, dtype, bn_groups,
+                 rngs):
         self.conv = conv(in_ch, out_ch, kernel, stride, padding=padding, groups=groups, dtype=dtype, rngs=rngs)
-        self.bn = BatchNorm(out_ch, dtype=dtype)
+        self.bn = BatchNorm(out_ch, dtype=dtype, groups=bn_groups)
         self.prelu = None if linear else PReLU(out_ch)
 
     def __call__(self, x):
@@ -24,11 +25,11 @@ class ConvBlock(nnx.Module):
 class DepthWise(nnx.Module):
     """1×1 expand to ``groups`` → depthwise k×k (stride) → linear 1×1 project; residual when asked."""
 
-    def __init__(self, in_ch, out_ch, *, residual, stride, groups, dtype, rngs):
+    def __init__(self, in_ch, out_ch, *, residual, stride, groups, **kw):
         self.residual = residual
-        self.expand = ConvBlock(in_ch, groups, dtype=dtype, rngs=rngs)
-        self.depthwise = ConvBlock(groups, groups, 3, stride, 1, groups, dtype=dtype, rngs=rngs)
-        self.project = ConvBlock(groups, out_ch, linear=True, dtype=dtype, rngs=rngs)
+        self.expand = ConvBlock(in_ch, groups, **kw)
+        self.depthwise = ConvBlock(groups, groups, 3, stride, 1, groups, **kw)
+        self.project = ConvBlock(groups, out_ch, linear=True, **kw)
 
     def __call__(self, x):
         y = self.project(self.depthwise(self.expand(x)))
@@ -39,10 +40,11 @@ class MobileFaceNet(nnx.Module):
     """``__call__(images [N, 112, 112, 3]) -> [N, num_features]`` float32."""
 
     def __init__(self, blocks=(1, 4, 6, 2), scale: int = 2, *, num_features: int = 512, dtype=jnp.float32,
-                 remat: str = "none", input_size: int = 112, rngs: nnx.Rngs):
+                 remat: str = "none", input_size: int = 112, bn_groups: int = 1, rngs: nnx.Rngs):
+        """``bn_groups``: see ``BatchNorm``."""
         self.dtype, self.remat = dtype, remat
         c1, c2 = 64 * scale, 128 * scale
-        kw = dict(dtype=dtype, rngs=rngs)
+        kw = dict(dtype=dtype, bn_groups=bn_groups, rngs=rngs)
         layers = [ConvBlock(3, c1, 3, 2, 1, **kw)]
         if blocks[0] == 1:
             layers.append(ConvBlock(c1, c1, 3, 1, 1, groups=64, **kw))
@@ -55,11 +57,12 @@ class MobileFaceNet(nnx.Module):
         layers.append(DepthWise(c2, c2, residual=False, stride=2, groups=512, **kw))
         layers += [DepthWise(c2, c2, residual=True, stride=1, groups=256, **kw) for _ in range(blocks[3])]
         self.layers = nnx.List(layers)
-        self.conv_sep = ConvBlock(c2, 512, dtype=jnp.float32, rngs=rngs)
+        head = dict(kw, dtype=jnp.float32)
+        self.conv_sep = ConvBlock(c2, 512, **head)
         spatial = input_size // 16
-        self.gdc = ConvBlock(512, 512, spatial, 1, 0, groups=512, linear=True, dtype=jnp.float32, rngs=rngs)
+        self.gdc = ConvBlock(512, 512, spatial, 1, 0, groups=512, linear=True, **head)
         self.linear = nnx.Linear(512, num_features, use_bias=False, rngs=rngs)
-        self.features = BatchNorm(num_features, dtype=jnp.float32)
+        self.features = BatchNorm(num_features, dtype=jnp.float32, groups=bn_groups)
 
     def __call__(self, x):
         x = x.astype(self.dtype)

@@ -3,7 +3,7 @@
 Pre-norm blocks (LN → attention without qkv bias → LN → MLP 4× with ReLU6), stochastic depth,
 random token masking in training (``mask_ratio``, masked tokens replaced by a learned token after the
 blocks), final LN, then a head ``Linear(144·D → D) → BN → Linear(D → num_features) → BN``.
-Attention softmax runs in float32.
+Attention is ``jax.nn.dot_product_attention`` (logits and softmax in float32).
 """
 
 from __future__ import annotations
@@ -37,11 +37,10 @@ class Block(nnx.Module):
         return jnp.where(keep, x / (1.0 - self.drop_path), 0).astype(x.dtype)
 
     def _attention(self, x):
+        """Multi-head self-attention of ``x [N, T, D]``; JAX picks the implementation for the backend."""
         n, t, d = x.shape
-        q, k, v = jnp.moveaxis(self.qkv(x).reshape(n, t, 3, self.heads, d // self.heads), 2, 0)
-        logits = jnp.einsum("nqhc,nkhc->nhqk", q, k, preferred_element_type=jnp.float32) / np.sqrt(d // self.heads)
-        attn = jax.nn.softmax(logits, axis=-1).astype(x.dtype)
-        return self.proj(jnp.einsum("nhqk,nkhc->nqhc", attn, v).reshape(n, t, d))
+        q, k, v = jnp.moveaxis(self.qkv(x).reshape(n, t, 3, self.heads, d // self.heads), 2, 0)  # [N, T, H, D/H]
+        return self.proj(jax.nn.dot_product_attention(q, k, v).reshape(n, t, d))
 
     def __call__(self, x):
         x = x + self._drop_path(self._attention(self.norm1(x)))
@@ -54,7 +53,8 @@ class VisionTransformer(nnx.Module):
 
     def __init__(self, dim: int, depth: int, heads: int, *, num_features: int = 512, patch: int = 9,
                  input_size: int = 112, drop_path: float = 0.1, mask_ratio: float = 0.1, act: str = "relu6",
-                 dtype=jnp.float32, remat: str = "none", rngs: nnx.Rngs):
+                 dtype=jnp.float32, remat: str = "none", bn_groups: int = 1, rngs: nnx.Rngs):
+        """``bn_groups``: see ``BatchNorm`` (the head's two; LayerNorm needs no batch statistics)."""
         self.dtype, self.remat, self.mask_ratio, self.rngs = dtype, remat, mask_ratio, rngs
         self.patch = patch
         self.tokens = (input_size // patch) ** 2
@@ -65,9 +65,9 @@ class VisionTransformer(nnx.Module):
         self.blocks = nnx.List([Block(dim, heads, float(r), act=act, dtype=dtype, rngs=rngs) for r in rates])
         self.norm = nnx.LayerNorm(dim, epsilon=1e-5, rngs=rngs)
         self.head_fc1 = nnx.Linear(dim * self.tokens, dim, use_bias=False, kernel_init=_INIT, rngs=rngs)
-        self.head_bn1 = BatchNorm(dim, epsilon=2e-5)
+        self.head_bn1 = BatchNorm(dim, epsilon=2e-5, groups=bn_groups)
         self.head_fc2 = nnx.Linear(dim, num_features, use_bias=False, kernel_init=_INIT, rngs=rngs)
-        self.head_bn2 = BatchNorm(num_features, epsilon=2e-5)
+        self.head_bn2 = BatchNorm(num_features, epsilon=2e-5, groups=bn_groups)
         self.deterministic = False
 
     def __call__(self, x):
