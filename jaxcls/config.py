@@ -30,7 +30,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.seed = 0
     # Data: kind is recordio | folder | procedural | synthetic.
     c.data = ml_collections.ConfigDict(dict(
-        kind="procedural", root="", input_size=32, workers=0, threads=4, flip=True,
+        kind="procedural", root="", input_size=32, workers=0, threads=2, flip=True,
+        # threads: host batches decoded at once, in this process or in each of `workers` processes (docs/training.md)
         bad_records="error",  # error | skip: a record that cannot be read or decoded stops the run, or is
         # replaced by the next good one and listed in <workdir>/bad_records.txt
         procedural=dict(num_classes=1000, images_per_class=16, size=32, strokes=5),

@@ -8,11 +8,22 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from jaxcls.data import recordio
 from jaxcls.data.recordio import MAGIC, DataError, MXFaceDataset, decode_image, pack, write_records
 
 GLYPHS = Path(__file__).resolve().parents[2] / "shared" / "data" / "glyphs"
 needs_glyphs = pytest.mark.skipif(not (GLYPHS / "train.rec").exists(),
                                   reason=f"glyphs data set not found at {GLYPHS} (../shared/data/glyphs)")
+
+
+@pytest.fixture(params=["simplejpeg", "Pillow"])
+def decoder(request, monkeypatch):
+    """Each JPEG test with libjpeg-turbo through simplejpeg, and with Pillow alone (as where it is not installed)."""
+    if request.param == "Pillow":
+        monkeypatch.setattr(recordio, "simplejpeg", None)
+    elif recordio.simplejpeg is None:
+        pytest.skip("simplejpeg is not installed")
+    return request.param
 
 
 @needs_glyphs
@@ -135,7 +146,7 @@ def damaged(data):
 
 
 @pytest.mark.parametrize("pattern", list(damaged(photo_jpeg())))
-def test_damaged_jpegs_are_errors_naming_the_record(tmp_path, pattern):
+def test_damaged_jpegs_are_errors_naming_the_record(tmp_path, pattern, decoder):
     image, message = damaged(photo_jpeg())[pattern]
     root = write_records(tmp_path, {0: pack(0.0, photo_jpeg()), 1: pack(1.0, image)})
     offset = int((root / "train.idx").read_text().splitlines()[1].split("\t")[1])
@@ -147,31 +158,80 @@ def test_damaged_jpegs_are_errors_naming_the_record(tmp_path, pattern):
 
 
 @needs_glyphs
-def test_damaged_glyph_jpegs_are_errors():
+@pytest.mark.parametrize("at_least", [0, 48])
+def test_damaged_glyph_jpegs_are_errors(decoder, at_least):
     ds = MXFaceDataset(GLYPHS)
     for i in (0, 777, 17999):
         for image, message in damaged(ds.raw(i)[0]).values():
             with pytest.raises(DataError, match=f"^glyph {i}: cannot decode image: .*{message}"):
-                decode_image(image, f"glyph {i}")
+                decode_image(image, lambda: f"glyph {i}", at_least)
 
 
 @needs_glyphs
-def test_glyph_jpegs_decode_exactly_as_pillow_does():
+def test_glyph_jpegs_decode_exactly_as_pillow_does(decoder):
     ds = MXFaceDataset(GLYPHS)
     for i in range(0, len(ds), 60):
         np.testing.assert_array_equal(ds[i][0], pillow(ds.raw(i)[0]))
 
 
+def pillow_draft(data, at_least):
+    """Pillow's own reduced-scale JPEG decode (``Image.draft``)."""
+    with Image.open(io.BytesIO(data)) as img:
+        img.draft("RGB", (at_least, at_least))
+        return np.asarray(img.convert("RGB"))
+
+
+@needs_glyphs
+def test_glyphs_decode_at_a_reduced_scale_exactly_as_pillows_draft(decoder):
+    ds = MXFaceDataset(GLYPHS)
+    for i in range(0, len(ds), 60):
+        data = ds.raw(i)[0]
+        for at_least in (48, 56):  # 1/2 scale: 56 pixels a side
+            image = decode_image(data, at_least=at_least)
+            assert image.shape == (56, 56, 3)
+            np.testing.assert_array_equal(image, pillow_draft(data, at_least))
+
+
+@pytest.mark.parametrize("height, width, at_least, expected", [
+    (112, 112, 57, (112, 112)), (112, 112, 56, (56, 56)), (112, 112, 28, (28, 28)), (112, 112, 27, (28, 28)),
+    (112, 112, 14, (14, 14)), (112, 112, 1, (14, 14)), (113, 90, 45, (57, 45)), (113, 90, 46, (113, 90)),
+    (37, 64, 9, (10, 16)),
+])
+def test_the_reduced_scale_is_the_smallest_of_one_half_quarter_eighth_keeping_both_sides(
+        decoder, height, width, at_least, expected):
+    data = io.BytesIO()
+    Image.fromarray(np.zeros((height, width, 3), np.uint8)).save(data, "JPEG")
+    assert decode_image(data.getvalue(), at_least=at_least).shape == (*expected, 3)
+    np.testing.assert_array_equal(decode_image(data.getvalue(), at_least=at_least),
+                                  pillow_draft(data.getvalue(), at_least))
+
+
+def test_where_is_only_formatted_for_an_error():
+    calls = []
+
+    def where():
+        calls.append(1)
+        return "the record"
+
+    decode_image(photo_jpeg(), where, 16)
+    assert not calls
+    with pytest.raises(DataError, match="^the record: cannot decode image"):
+        decode_image(photo_jpeg()[:-30], where)
+    assert calls == [1]
+
+
 @pytest.mark.parametrize("options", [{}, {"subsampling": 0}, {"quality": 10, "optimize": True}, {"progressive": True},
                                      {"restart_marker_blocks": 3}, {"restart_marker_rows": 1}])
-def test_valid_images_decode_exactly_as_pillow_does(options):
+def test_valid_images_decode_exactly_as_pillow_does(options, decoder):
     for seed, size in ((0, 64), (1, 1), (2, 37)):
         data = photo_jpeg(seed, size, **options)
         np.testing.assert_array_equal(decode_image(data), pillow(data))
         np.testing.assert_array_equal(decode_image(data + b"trailing bytes"), pillow(data))
-    gray = io.BytesIO()
+    gray, cmyk = io.BytesIO(), io.BytesIO()
     Image.fromarray(np.arange(64 * 48, dtype=np.uint8).reshape(64, 48)).save(gray, "JPEG")
-    np.testing.assert_array_equal(decode_image(gray.getvalue()), pillow(gray.getvalue()))
+    Image.open(io.BytesIO(photo_jpeg())).convert("CMYK").save(cmyk, "JPEG")  # four components: Pillow converts
+    for data in (gray.getvalue(), cmyk.getvalue()):
+        np.testing.assert_array_equal(decode_image(data), pillow(data))
     np.testing.assert_array_equal(decode_image(jpeg(3)), pillow(jpeg(3)))  # a PNG
 
 

@@ -1,0 +1,128 @@
+"""``python -m jaxcls.data.pack``: folders and lists packed into insightface's layout read back by MXFaceDataset."""
+
+import io
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from jaxcls.data.pack import check_labels, folder_images, main, pack_images
+from jaxcls.data.recordio import DataError, MXFaceDataset
+
+GLYPHS = Path(__file__).resolve().parents[2] / "shared" / "data" / "glyphs"
+
+
+def encoded(seed, fmt="JPEG", size=(20, 24)):
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)).save(buf, fmt)
+    return buf.getvalue()
+
+
+def payload_header(ds, key):
+    """``(flag, label, id, id2, extra float32 labels)`` of record ``key``."""
+    payload = ds._read(key)
+    flag, label, id_, id2 = struct.unpack_from("<IfQQ", payload)
+    return flag, label, id_, id2, struct.unpack_from(f"<{flag}f", payload, 24) if flag else ()
+
+
+def folder(tmp_path):
+    """Classes ``b`` (2 JPEGs), ``a`` (1 JPEG, 1 PNG), ``c`` (1 JPEG): ``{(class, name): bytes}``."""
+    images = {("b", "0.jpg"): encoded(0), ("b", "1.jpg"): encoded(1), ("a", "x.jpg"): encoded(2),
+              ("a", "y.png"): encoded(3, "PNG"), ("c", "z.jpeg"): encoded(4)}
+    for (cls, name), data in images.items():
+        (tmp_path / "images" / cls).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "images" / cls / name).write_bytes(data)
+    return tmp_path / "images", images
+
+
+def test_a_folder_round_trips(tmp_path):
+    root, images = folder(tmp_path)
+    pack_images(*folder_images(root), tmp_path / "out")
+    ds = MXFaceDataset(tmp_path / "out")
+    assert len(ds) == 5 and ds.num_classes() == 3 and (tmp_path / "out" / "property").read_text() == "3,20,24\n"
+    expected = [("a", "x.jpg"), ("a", "y.png"), ("b", "0.jpg"), ("b", "1.jpg"), ("c", "z.jpeg")]  # sorted classes
+    assert [ds.raw(i)[1] for i in range(5)] == [0, 0, 1, 1, 2]
+    for i, name in enumerate(expected):
+        if name[1].endswith("png"):  # stored as a JPEG of the same pixels, quality 95
+            jpeg = io.BytesIO()
+            Image.open(io.BytesIO(images[name])).save(jpeg, "JPEG", quality=95)
+            assert ds.raw(i)[0] == jpeg.getvalue()
+        else:
+            assert ds.raw(i)[0] == images[name]  # byte for byte
+    # insightface's header and identity records: each class's keys [first, last + 1)
+    assert payload_header(ds, 0) == (2, 0.0, 0, 1, (6.0, 9.0))
+    assert [payload_header(ds, k)[4] for k in (6, 7, 8)] == [(1.0, 3.0), (3.0, 5.0), (5.0, 6.0)]
+    assert [payload_header(ds, k)[:4] for k in range(1, 6)] == [(0, float(y), k, 0) for k, y in
+                                                                zip(range(1, 6), [0, 0, 1, 1, 2])]
+
+
+def test_a_list_round_trips_sorted_by_label_in_listed_order(tmp_path):
+    root, images = folder(tmp_path)
+    (tmp_path / "lists").mkdir()
+    lines = ["../images/c/z.jpeg\t1", "", f"{root / 'b' / '1.jpg'}\t0", "../images/a/x.jpg\t1", "../images/b/0.jpg\t0"]
+    (tmp_path / "lists" / "train.tsv").write_text("\n".join(lines) + "\n")
+    main(["--images", str(tmp_path / "lists" / "train.tsv"), "--out", str(tmp_path / "out")])
+    ds = MXFaceDataset(tmp_path / "out")
+    assert ds.num_classes() == 2
+    got = [ds.raw(i) for i in range(len(ds))]
+    assert got == [(images["b", "1.jpg"], 0), (images["b", "0.jpg"], 0), (images["c", "z.jpeg"], 1),
+                   (images["a", "x.jpg"], 1)]
+
+
+@pytest.mark.skipif(not (GLYPHS / "train.rec").exists(), reason=f"glyphs data set not found at {GLYPHS}")
+def test_the_records_are_those_mxnet_wrote_for_glyphs(tmp_path):
+    glyphs = MXFaceDataset(GLYPHS)
+    lines = []
+    for i in range(36):  # the first three identities
+        (tmp_path / f"{i}.jpg").write_bytes(glyphs.raw(i)[0])
+        lines.append(f"{i}.jpg\t{glyphs.raw(i)[1]}")
+    (tmp_path / "list.tsv").write_text("\n".join(lines))
+    main(["--images", str(tmp_path / "list.tsv"), "--out", str(tmp_path / "out")])
+    ds = MXFaceDataset(tmp_path / "out")
+    assert all(ds._read(k) == glyphs._read(k) for k in range(1, 37))  # IRHeader(0, label, key, 0) + the JPEG
+    assert payload_header(ds, 0)[:4] == payload_header(glyphs, 0)[:4]
+    assert [payload_header(ds, k)[4] for k in (37, 38, 39)] == [payload_header(glyphs, k)[4]
+                                                               for k in (18001, 18002, 18003)]
+    assert (tmp_path / "out" / "property").read_text() == (GLYPHS / "property").read_text().replace("1500", "3")
+
+
+def test_the_command_line(tmp_path):
+    root, _ = folder(tmp_path)
+    run = [sys.executable, "-m", "jaxcls.data.pack", "--images", str(root), "--out", str(tmp_path / "out")]
+    proc = subprocess.run(run, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "5 images of 3 identities, 20×24" in proc.stdout
+    again = subprocess.run(run, capture_output=True, text=True)
+    assert again.returncode == 1 and again.stderr.strip() == f"error: {tmp_path / 'out' / 'train.rec'} exists: " \
+                                                             "remove it or choose another --out"
+
+
+@pytest.mark.parametrize("lines, message", [
+    (["a.jpg 0"], r"list.tsv:1: expected 'path<TAB>label'"),
+    (["a.jpg\t0", "", "b.jpg\tseven"], r"list.tsv:3: expected 'path<TAB>label'"),
+    (["a.jpg\t-1"], r"list.tsv:1: expected 'path<TAB>label'"),
+    (["\t0"], r"list.tsv:1: expected 'path<TAB>label'"),
+    ([""], r"list.tsv: no 'path<TAB>label' lines"),
+    (["a.jpg\t0", "b.jpg\t2", "a.jpg\t4"], r"list.tsv: labels must be 0..4 with every one used; missing: 1, 3$"),
+    (["a.jpg\t0", "missing.jpg\t0"], r"missing.jpg: cannot read: No such file or directory"),
+    (["a.jpg\t0", "broken.jpg\t0"], r"broken.jpg: cannot decode image"),
+])
+def test_errors_name_the_line_image_or_labels(tmp_path, lines, message):
+    (tmp_path / "a.jpg").write_bytes(encoded(0))
+    (tmp_path / "b.jpg").write_bytes(encoded(1))
+    (tmp_path / "broken.jpg").write_bytes(encoded(2)[:-200])
+    (tmp_path / "list.tsv").write_text("\n".join(lines))
+    with pytest.raises(SystemExit, match=rf"^error: \S*{message}"):
+        main(["--images", str(tmp_path / "list.tsv"), "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())  # nothing half-written
+
+
+def test_many_missing_labels_are_counted():
+    with pytest.raises(DataError, match=r"^x: labels must be 0..99 .* missing: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, … "
+                                        r"\(98 in all\)$"):
+        check_labels([0, 99], "x")
+    assert check_labels([2, 0, 1, 1], "x") == 3
