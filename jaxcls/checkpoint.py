@@ -98,6 +98,19 @@ def abstract_like(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
+def typed_keys(tree, abstract_tree):
+    """``tree`` with the PRNG keys of ``abstract_tree`` typed again (orbax restores their raw uint32 data), so a
+    restored state has the types of a fresh one and runs a step compiled for ``abstract_tree``."""
+    def typed(abstract, x):
+        if not jax.dtypes.issubdtype(abstract.dtype, jax.dtypes.prng_key) or x.dtype == abstract.dtype:
+            return x
+        key = jax.random.wrap_key_data(x)  # the default implementation, which made the run's keys
+        if key.dtype != abstract.dtype:
+            raise CheckpointError(f"a PRNG key of type {abstract.dtype} was saved; this JAX makes {key.dtype}")
+        return key
+    return jax.tree.map(typed, abstract_tree, tree)
+
+
 def check_num_classes(saved: int, expected: int) -> None:
     if int(np.asarray(saved)) != expected:
         raise ValueError(f"checkpoint holds an FC of {int(np.asarray(saved))} classes, the config asks for {expected}")
@@ -166,9 +179,9 @@ class RunCheckpoints:
         state_args = ocp.args.PyTreeRestore(item=wanted, restore_args=restore_args(wanted),
                                             partial_restore=parts is not None)
         if parts is not None:
-            return self.manager.restore(step, args=ocp.args.Composite(state=state_args)).state, None
+            return typed_keys(self.manager.restore(step, args=ocp.args.Composite(state=state_args)).state, wanted), None
         restored = self.manager.restore(step, args=ocp.args.Composite(state=state_args, data=ocp.args.JsonRestore()))
-        return restored.state, restored.data
+        return typed_keys(restored.state, wanted), restored.data
 
     def close(self) -> None:
         """Wait for the last save to be complete on disk (``CheckpointError`` if it failed), release the manager."""

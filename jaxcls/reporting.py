@@ -105,6 +105,8 @@ def run_cli(main) -> None:
                 log.warning("%s", e)
                 sys.exit(e.exit_code)
             log.error("error: %s (--verbosity=1 for the traceback)", one_line(e))
+            for line in getattr(e, "details", ()):  # e.g. the memory plan of a step too big for the device
+                log.error("%s", line)
             # no interpreter shutdown: background threads of a failed run (orbax writers still in flight)
             # would print tracebacks into the closed event loop after the one line
             sys.stdout.flush()

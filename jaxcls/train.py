@@ -28,6 +28,7 @@ from jaxcls.data.pipeline import device_batch
 from jaxcls.eval.evaluator import Evaluator
 from jaxcls.interrupts import Preempted, StopRequests
 from jaxcls.losses import validate_labels
+from jaxcls.memory import check_fits, step_memory
 from jaxcls.mesh import batch_sharding
 from jaxcls.precision import all_finite
 from jaxcls.reporting import MetricsWriter, Progress, configure_logging, log, run_cli
@@ -66,9 +67,11 @@ def train(config, workdir: str | os.PathLike, devices=None, progress: bool = Tru
 def _train(run, workdir: Path, checkpoints: RunCheckpoints, stop: StopRequests, progress: bool, stop_after,
            init_from, init_fc):
     config = run.config
-    state, batches = start(run, workdir, checkpoints, init_from, init_fc)
+    resuming = check_resumable(run, workdir, checkpoints)
+    step_fn = compile_fitting_step(run)
+    state, batches = start(run, workdir, checkpoints, resuming, init_from, init_fc)
     start_step = int(state["step"])
-    step_fn, evaluate = run.compile_step(state), Evaluator(run)  # compiled before the barrier
+    evaluate = Evaluator(run)  # compiled before the barrier
     distributed.barrier("train step compiled")  # every process starts stepping together
     writer, sharding = MetricsWriter(workdir, resumed_step=start_step), batch_sharding(run.mesh)
     end = config.total_steps if stop_after is None else min(stop_after, config.total_steps)
@@ -105,19 +108,38 @@ def _train(run, workdir: Path, checkpoints: RunCheckpoints, stop: StopRequests, 
     return state, last
 
 
-def start(run, workdir: Path, checkpoints: RunCheckpoints, init_from: str | None, init_fc: bool):
-    """``(state, batches)`` to train from: the workdir's latest checkpoint (refused if the config changed in a
-    key outside ``RESUMABLE_KEYS`` or any array differs), else a fresh state, from ``init_from`` if given.
-    Writes ``config.json`` (process 0) once the run has been validated."""
-    resuming = checkpoints.latest_step() is not None
+def compile_fitting_step(run):
+    """The train step compiled for the run's abstract state, before any state exists, so that a step too big for
+    the devices' memory stops the run here (``memory.DoesNotFit``, with the plan) rather than in an out-of-memory
+    error later; logs the step's share of the device memory where the backend reports one."""
+    step_fn = run.compile_step(run.abstract_state)
+    use = check_fits(step_memory(run, step_fn), jax.local_devices(),
+                     advice=f"; python -m jaxcls.plan --config <this config> --devices {run.mesh.size} plans it")
+    if use:
+        log.info("%s", use)
+    return step_fn
+
+
+def check_resumable(run, workdir: Path, checkpoints: RunCheckpoints) -> bool:
+    """Whether the workdir holds checkpoints to resume; refused (``CheckpointError``) if their ``config.json`` is
+    missing or differs from the run's config in a key outside ``RESUMABLE_KEYS``. Cheap: runs before compiling."""
+    if checkpoints.latest_step() is None:
+        return False
     saved_config = workdir / "config.json"
-    if resuming:
-        if not saved_config.exists():
-            raise CheckpointError(f"{workdir} has checkpoints but no config.json to check this config against")
-        differences = resume_differences(from_json(saved_config.read_text()), run.config)
-        if differences:
-            raise CheckpointError(f"{workdir} holds a run with another config ({'; '.join(differences)}): resume it "
-                                  f"with its own config, use a new workdir, or fine-tune with --init_from {workdir}")
+    if not saved_config.exists():
+        raise CheckpointError(f"{workdir} has checkpoints but no config.json to check this config against")
+    differences = resume_differences(from_json(saved_config.read_text()), run.config)
+    if differences:
+        raise CheckpointError(f"{workdir} holds a run with another config ({'; '.join(differences)}): resume it "
+                              f"with its own config, use a new workdir, or fine-tune with --init_from {workdir}")
+    return True
+
+
+def start(run, workdir: Path, checkpoints: RunCheckpoints, resuming: bool, init_from: str | None, init_fc: bool):
+    """``(state, batches)`` to train from: the workdir's latest checkpoint if ``resuming`` (``check_resumable``;
+    refused if any array differs), else a fresh state, from ``init_from`` if given. Writes ``config.json``
+    (process 0) once the run has been validated."""
+    saved_config = workdir / "config.json"
     batches = run.batches(bad_records_log=workdir / "bad_records.txt")
     if resuming:
         state, position = checkpoints.restore(run.abstract_state)

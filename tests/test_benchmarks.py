@@ -21,6 +21,7 @@ SCRIPTS = {
     "data.py": {"stage", "threads", "img_per_s"},
     "cross_host.py": {"class_axes", "mesh", "cross_host_MB_per_host", "collectives"},
     "inference.py": {"runtime", "model", "batch", "img_per_s", "max_rel_err"},
+    "planner.py": {"model", "classes", "planner_GiB", "planner_parts", "device_GiB", "peak_GiB"},
 }
 NEEDS = {"inference.py": "jax2onnx"}
 

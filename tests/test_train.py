@@ -55,7 +55,7 @@ def test_glyphs_smoke_on_2x4_mesh(tmp_path):
 
 
 def test_resume_is_exact_and_works_on_another_mesh(tmp_path, caplog):
-    c = tiny_config(sample_rate=0.5)
+    c = tiny_config(sample_rate=0.5, bn_sync=True)  # global BatchNorm statistics: the same run on 8 and on 4 devices
     straight, _ = train(c, tmp_path / "straight", progress=False)
     train(c, tmp_path / "resumed", progress=False, stop_after=3)
     log.addHandler(caplog.handler)
@@ -73,7 +73,7 @@ def test_resume_is_exact_and_works_on_another_mesh(tmp_path, caplog):
     # The 8-device checkpoint of step 3 continues on 4 devices with a (2, 2) mesh.
     shutil.copytree(tmp_path / "straight" / "checkpoints" / "3", tmp_path / "moved" / "checkpoints" / "3")
     shutil.copy(tmp_path / "straight" / "config.json", tmp_path / "moved" / "config.json")
-    state, _ = train(tiny_config(sample_rate=0.5, mesh_data=2), tmp_path / "moved", progress=False,
+    state, _ = train(tiny_config(sample_rate=0.5, bn_sync=True, mesh_data=2), tmp_path / "moved", progress=False,
                      devices=jax.devices()[:4])
     assert dict(state["weight"].sharding.mesh.shape) == {"data": 2, "class": 2}
     assert int(state["step"]) == 6 and len(losses(tmp_path / "moved")) == 3
@@ -161,6 +161,23 @@ def test_cli_is_quiet_and_evaluates(tmp_path):
     result = json.loads((tmp_path / "eval_4.json").read_text())
     assert 0.4 < result["val/heldout/accuracy"] <= 1.0 and 0 <= result["val/heldout/tar@far=1e-01"] <= 1
     assert (tmp_path / "roc_4.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_step_too_big_for_the_device_stops_before_any_state_with_the_plan(tmp_path):
+    # a device reporting a 1 MiB limit (a CPU reports none): the CLI compiles the step, then stops with the plan
+    script = ("import runpy, sys; import jaxcls.memory as m; m.device_limit = lambda devices: 2**20; "
+              f"sys.argv = ['jaxcls.train', '--config', 'tests/tiny.py', '--workdir', {str(tmp_path)!r}]; "
+              "runpy.run_module('jaxcls.train', run_name='__main__')")
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=COMPILATION_CACHE, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert re.match(r"error: the train step needs [\d.]+ MiB per device, more than the 1.00 MiB XLA may allocate on "
+                    r"cpu \(--verbosity=1", lines[0]), proc.stderr
+    assert any(l.strip().startswith("FC weight") for l in lines) and "python -m jaxcls.plan" in lines[-1]
+    assert "Traceback" not in proc.stderr and not any((tmp_path / "checkpoints").iterdir())
+    assert not (tmp_path / "config.json").exists()  # stopped before the run started
 
 
 def wait_for_rows(workdir, rows, proc, timeout=300):

@@ -1,0 +1,151 @@
+"""Per-device memory of a run's compiled train step, by part, and whether it fits a device.
+
+``step_memory(run)`` compiles the real train step for the run's abstract state and one abstract global batch
+(nothing is allocated) and splits XLA's per-device ``memory_analysis()`` into parts: FC weight, FC optimizer
+state, backbone parameters, backbone optimizer state, other state (BatchNorm statistics, step, RNG, loss scale),
+the input batch, activations and temporaries, and outputs that are not donated. Bytes are affine in
+``num_classes`` once PartialFC samples full tiles (every part that grows with C is then a per-row array), which
+``fit_classes`` and ``max_classes_that_fit`` use.
+
+``check_fits(memory, devices)`` is the trainer's check before step 1: on a backend whose devices report
+``memory_stats()["bytes_limit"]`` (GPUs, TPUs), a step that needs more raises ``DoesNotFit`` with the breakdown
+instead of running out of memory later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+
+GiB = 2**30
+STATE_PARTS = {  # state key -> the part it belongs to
+    "weight": "FC weight", "fc_opt": "FC optimizer state", "params": "backbone parameters",
+    "opt": "backbone optimizer state",
+}
+OTHER_STATE = "BatchNorm statistics, step, RNG, loss scale"
+PARTS = (*STATE_PARTS.values(), OTHER_STATE, "input batch", "activations and temporaries", "outputs not donated")
+
+
+class DoesNotFit(RuntimeError):
+    """The compiled train step needs more memory per device than the device has; ``details``: the breakdown and
+    what to change, as lines (the command-line programs print them after the error)."""
+
+    def __init__(self, message: str, details: list[str]):
+        super().__init__(message)
+        self.details = details
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMemory:
+    """Bytes per device of one compiled train step; ``parts`` maps each of ``PARTS`` to bytes."""
+
+    parts: dict
+    platform: str  # the backend that compiled the step (its numbers, e.g. "cpu" for the planner)
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    def table(self, limit: int | None = None) -> list[str]:
+        """The parts and the total as aligned lines (against ``limit`` bytes if given)."""
+        lines = [f"  {name:<44} {format_bytes(n):>10}" for name, n in self.parts.items()]
+        total = f"  {'total per device':<44} {format_bytes(self.total):>10}"
+        if limit is not None:
+            total += f" of {format_bytes(limit)} ({self.total / limit:.0%})"
+        return lines + [total]
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def parse_bytes(text: str) -> int:
+    """``"80GiB"``, ``"80 GB"``, ``"512MiB"`` or a plain byte count → bytes (GB = 10⁹, GiB = 2³⁰)."""
+    units = {"tib": 2**40, "gib": GiB, "mib": 2**20, "kib": 2**10, "tb": 10**12, "gb": 10**9, "mb": 10**6,
+             "kb": 10**3, "b": 1}
+    s = text.strip().lower().replace(" ", "")
+    for unit, size in units.items():
+        if s.endswith(unit):
+            s, factor = s[: -len(unit)], size
+            break
+    else:
+        factor = 1
+    try:
+        value = float(s)
+    except ValueError:
+        raise ValueError(f"cannot read {text!r} as a size: write e.g. 80GiB, 80GB or 85899345920") from None
+    if value <= 0:
+        raise ValueError(f"a memory size must be positive, got {text!r}")
+    return int(value * factor)
+
+
+def device_bytes(abstract) -> int:
+    """Bytes one device holds of ``abstract`` (a pytree of ``jax.ShapeDtypeStruct`` with shardings)."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+               for x in jax.tree.leaves(abstract))
+
+
+def step_memory(run, compiled=None) -> StepMemory:
+    """The per-device bytes of ``run``'s train step by part; ``compiled``: the step already compiled (by
+    ``run.compile_step``), else it is compiled here for the abstract state."""
+    compiled = run.compile_step(run.abstract_state) if compiled is None else compiled
+    stats = compiled.memory_analysis()
+    if stats is None:
+        raise RuntimeError(f"the {run.mesh.devices.flat[0].platform} backend reports no compiled memory")
+    state = run.abstract_state
+    parts = {name: device_bytes(state[key]) for key, name in STATE_PARTS.items()}
+    parts[OTHER_STATE] = device_bytes({k: v for k, v in state.items() if k not in STATE_PARTS})
+    parts["input batch"] = stats.argument_size_in_bytes - device_bytes(state)
+    parts["activations and temporaries"] = stats.temp_size_in_bytes
+    parts["outputs not donated"] = stats.output_size_in_bytes - stats.alias_size_in_bytes
+    return StepMemory(parts, run.mesh.devices.flat[0].platform)
+
+
+def device_limit(devices) -> int | None:
+    """The smallest ``memory_stats()["bytes_limit"]`` of ``devices`` (what XLA may allocate), None if unknown
+    (a CPU reports none)."""
+    limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
+    return None if None in limits or not limits else min(limits)
+
+
+def check_fits(memory: StepMemory, devices, advice: str = "") -> str | None:
+    """Raise ``DoesNotFit`` when ``memory`` exceeds the devices' ``bytes_limit``; else the use as a line (None
+    without a limit to check against)."""
+    limit = device_limit(devices)
+    if limit is not None and memory.total > limit:
+        raise DoesNotFit(
+            f"the train step needs {format_bytes(memory.total)} per device, more than the {format_bytes(limit)} "
+            f"XLA may allocate on {devices[0].device_kind}",
+            [*memory.table(limit), "lower batch_size or sample_rate (PartialFC), set fc_dtype=bfloat16 or "
+             "remat=full, or add devices; XLA_PYTHON_CLIENT_MEM_FRACTION raises JAX's share of the device (default "
+             "0.75)" + advice])
+    return None if limit is None else (f"train step: {format_bytes(memory.total)} per device of the "
+                                       f"{format_bytes(limit)} XLA may allocate ({memory.total / limit:.0%})")
+
+
+def fit_classes(memory_at, probes: tuple[int, int]) -> tuple[float, float]:
+    """``(a, b)`` with total bytes per device ≈ ``a + b · num_classes``, from the steps at two ``probes`` class
+    counts; ``memory_at(num_classes) -> StepMemory`` compiles one."""
+    (c1, c2), (m1, m2) = probes, [memory_at(c).total for c in probes]
+    slope = (m2 - m1) / (c2 - c1)
+    return m1 - slope * c1, slope
+
+
+def max_classes_that_fit(memory_at, limit: int, shards: int, rows: int = 2**20) -> tuple[int, StepMemory]:
+    """The largest ``num_classes`` (a multiple of ``shards``) whose step fits in ``limit`` bytes per device, and
+    its memory: solved from ``fit_classes`` at ``rows`` and ``2 · rows`` FC rows per device (enough that PartialFC
+    samples full tiles, so every part that grows with C is a per-row array), confirmed by a third compile and
+    stepped down once by the measured excess if that does not fit."""
+    a, b = fit_classes(memory_at, (shards * rows, shards * 2 * rows))
+    classes = max(int((limit - a) / b) // shards * shards, shards)
+    memory = memory_at(classes)
+    if memory.total > limit:
+        classes -= -(-int((memory.total - limit) / b) // shards) * shards
+        memory = memory_at(classes)
+    return classes, memory

@@ -1,0 +1,80 @@
+"""The compiled step's memory by part, its affine fit in the class count, and the check against a device's limit."""
+
+import functools
+
+import jax
+import pytest
+from tiny import get_config
+
+from jaxcls import memory
+from jaxcls.memory import (DoesNotFit, check_fits, fit_classes, format_bytes, max_classes_that_fit, parse_bytes,
+                           step_memory)
+from jaxcls.run import build
+
+
+def tiny_run(num_classes=64, devices=8, **overrides):
+    config = get_config(num_classes=num_classes, **overrides)
+    return build(config, jax.devices()[:devices], with_data=False)
+
+
+@pytest.mark.parametrize("mesh_data, class_axes, fc_dtype", [(1, "data,class", "float32"), (2, "class", "bfloat16")])
+def test_parts_are_the_shards_each_device_holds_and_sum_to_xla_total(mesh_data, class_axes, fc_dtype):
+    run = tiny_run(num_classes=1000, mesh_data=mesh_data, class_axes=class_axes, fc_dtype=fc_dtype,
+                   optimizer="adamw")
+    compiled = run.compile_step(run.abstract_state)
+    parts = step_memory(run, compiled).parts
+    c, shards = run.config, 8 // mesh_data if class_axes == "class" else 8
+    rows = -(-1000 // shards)
+    itemsize = 2 if fc_dtype == "bfloat16" else 4
+    assert parts["FC weight"] == rows * c.num_features * itemsize
+    assert parts["FC optimizer state"] == 2 * rows * c.num_features * itemsize + 4  # AdamW: m, v; a step count
+    params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(run.abstract_state["params"]))
+    assert parts["backbone parameters"] == params  # replicated: every device holds all of them
+    assert parts["backbone optimizer state"] > params  # AdamW's two moments (and counts)
+    per_device = c.batch_size // 8
+    assert parts["input batch"] == per_device * c.data.input_size ** 2 * 3 + per_device * 4
+    stats = compiled.memory_analysis()
+    assert sum(parts.values()) == (stats.argument_size_in_bytes + stats.temp_size_in_bytes
+                                   + stats.output_size_in_bytes - stats.alias_size_in_bytes)
+    assert parts["outputs not donated"] < 4096  # the state is donated: only the metrics come out new
+
+
+def test_bytes_are_affine_in_the_class_count_and_max_classes_is_the_largest_that_fits():
+    memory_at = functools.cache(lambda classes: step_memory(tiny_run(classes, sample_rate=0.5, chunk_size=256)))
+    a, b = fit_classes(memory_at, (8 * 2**20, 8 * 2**21))  # PartialFC samples full tiles: temporaries are fixed
+    row = 2 * 32 * 4  # weight + momentum, float32, D = 32
+    assert 0 < a and row <= b * 8 <= row + 32  # and PartialFC's sampling: a few 4-byte values per row
+    limit = int(a + b * 8 * 3_000_000)
+    classes, fitting = max_classes_that_fit(memory_at, limit, shards=8)  # the same probes, then a third count
+    assert fitting.total == pytest.approx(a + b * classes, rel=1e-3)  # affine beyond the probes
+    assert classes % 8 == 0 and fitting.total <= limit
+    assert memory_at(int(classes * 1.002) // 8 * 8).total > limit
+
+
+def test_check_fits_raises_with_the_plan_where_the_device_reports_a_limit(monkeypatch):
+    run = tiny_run()
+    used = step_memory(run)
+    assert check_fits(used, jax.devices()) is None  # a CPU reports no limit: nothing to check
+    monkeypatch.setattr(memory, "device_limit", lambda devices: used.total - 1)
+    with pytest.raises(DoesNotFit, match=r"needs .* per device, more than the") as error:
+        check_fits(used, jax.devices())
+    assert any("FC weight" in line for line in error.value.details)
+    assert any("total per device" in line and "(100%)" in line for line in error.value.details)
+    monkeypatch.setattr(memory, "device_limit", lambda devices: 2 * used.total)
+    assert "(50%)" in check_fits(used, jax.devices())
+
+
+@pytest.mark.parametrize("text, expected", [("80GiB", 80 * 2**30), ("80 GB", 80 * 10**9), ("1.5MiB", 3 * 2**19),
+                                            ("1024", 1024), ("2TiB", 2 * 2**40)])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["80 GiBs", "lots", "-1GiB", "0"])
+def test_parse_bytes_refuses_what_it_cannot_read(text):
+    with pytest.raises(ValueError, match="size"):
+        parse_bytes(text)
+
+
+def test_format_bytes():
+    assert [format_bytes(n) for n in (512, 3 * 2**19, 80 * 2**30)] == ["512 B", "1.50 MiB", "80.00 GiB"]

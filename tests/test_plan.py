@@ -1,0 +1,63 @@
+"""The planner: its report, verdicts, the largest class count, the command line."""
+
+import subprocess
+import sys
+
+import pytest
+from tiny import get_config
+
+from jaxcls.memory import GiB, StepMemory
+from jaxcls import plan as plan_module
+from jaxcls.plan import cpu_caveats, plan, usable_bytes, verdict
+from jaxcls.run import build
+
+
+def test_plan_reports_parts_verdict_and_the_largest_class_count_that_fits(monkeypatch):
+    calls = []
+
+    def solved(memory_at, limit, shards, rows):  # the solve itself: tests/test_memory.py
+        calls.append((limit, shards, rows))
+        return 123_456, StepMemory({"FC weight": GiB}, "cpu")
+
+    monkeypatch.setattr(plan_module, "max_classes_that_fit", solved)
+    lines = plan(get_config(sample_rate=0.25, chunk_size=2**19), devices=4, device_memory=2 * GiB, max_classes=True)
+    text = "\n".join(lines)
+    assert "compiled by XLA:CPU for 4 simulated devices" in text and "class=4" in text
+    assert "FC weight" in text and "activations and temporaries" in text and "total per device" in text
+    assert "verdict: fits:" in text and "of 1.50 GiB usable" in text  # JAX's default 75%
+    assert calls == [(int(1.5 * GiB), 4, 2**22)]  # rows: PartialFC 0.25 samples two full tiles of 2**19
+    assert "largest num_classes that fits: 123,456 (1.00 GiB per device" in text and "30,864 FC rows per device" in text
+
+
+def test_verdicts():
+    assert verdict(50 * GiB, 60 * GiB, 80 * GiB).startswith("fits: 50.00 GiB of 60.00 GiB usable (10.00 GiB spare)")
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.87" in verdict(68 * GiB, 60 * GiB, 80 * GiB)
+    assert verdict(79 * GiB, 60 * GiB, 80 * GiB).startswith("does not fit: 79.00 GiB > 60.00 GiB")
+
+
+def test_usable_bytes_follows_jax_memory_fraction(monkeypatch):
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    assert usable_bytes(80 * GiB) == 60 * GiB
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", ".9")
+    assert usable_bytes(80 * GiB) == 72 * GiB
+
+
+def test_cpu_caveats_name_16_bit_fc_state_and_compute():
+    config = get_config(fc_dtype="bfloat16", precision="bfloat16")
+    notes = cpu_caveats(config, build(config, with_data=False))
+    assert len(notes) == 2 and "bfloat16 FC state" in notes[0] and "bfloat16 compute" in notes[1]
+    assert cpu_caveats(get_config(), build(get_config(), with_data=False)) == []
+
+
+@pytest.mark.parametrize("args, status, expected", [
+    (["--devices", "2", "--device-memory", "1MiB"], 0, "verdict: does not fit"),
+    (["--device-memory", "lots"], 1, "error: cannot read 'lots' as a size"),
+    (["--devices", "3"], 1, "error: batch_size 32 is not divisible by 3 devices"),
+])
+def test_command_line(args, status, expected):
+    proc = subprocess.run([sys.executable, "-m", "jaxcls.plan", "--config", "tests/tiny.py", *args],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == status, proc.stderr
+    assert expected in proc.stdout + proc.stderr
+    if status:
+        assert "Traceback" not in proc.stderr
