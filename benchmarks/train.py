@@ -13,6 +13,7 @@ Extra ``--set key=value`` pairs override config keys (e.g. ``--set chunk_size=65
 from __future__ import annotations
 
 import argparse
+import ast
 import itertools
 import sys
 import time
@@ -42,7 +43,10 @@ def step_config(model, batch, num_classes, sample_rate, precision, size, overrid
     c.total_steps, c.warmup_steps = 10**6, 10
     for item in overrides:
         key, value = item.split("=", 1)
-        c[key] = type(c[key])(value)
+        try:  # True, 65536, 0.1, "r50" as Python reads them (bool("False") would be True)
+            c[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            c[key] = value
     return c
 
 

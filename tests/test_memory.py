@@ -46,14 +46,15 @@ def test_bytes_are_affine_in_the_class_count_and_max_classes_is_the_largest_that
     assert 0 < a and row <= b * 8 <= row + 32  # and PartialFC's sampling: a few 4-byte values per row
     limit = int(a + b * 8 * 3_000_000)
     classes, fitting = max_classes_that_fit(memory_at, limit, shards=8)  # the same probes, then a third count
-    assert fitting.total == pytest.approx(a + b * classes, rel=1e-3)  # affine beyond the probes
+    assert fitting.total == pytest.approx(a + b * classes, rel=1e-4)  # affine beyond the probes (a third compile)
     assert classes % 8 == 0 and fitting.total <= limit
-    assert memory_at(int(classes * 1.002) // 8 * 8).total > limit
+    # the largest: 8 more classes (a row more per device) would not fit; 1 KiB for alignment off the line
+    # (measured: 117 B off it at 3M classes, 155 B to spare where a row needs 272)
+    assert limit - fitting.total < b * 8 + 1024, (limit, fitting.total, b)
 
 
 def test_check_fits_raises_with_the_plan_where_the_device_reports_a_limit(monkeypatch):
-    run = tiny_run()
-    used = step_memory(run)
+    used = memory.StepMemory({part: 2**20 for part in memory.PARTS}, "cpu")
     assert check_fits(used, jax.devices()) is None  # a CPU reports no limit: nothing to check
     monkeypatch.setattr(memory, "device_limit", lambda devices: used.total - 1)
     with pytest.raises(DoesNotFit, match=r"needs .* per device, more than the") as error:
