@@ -17,6 +17,7 @@ def tiny_run(num_classes=64, devices=8, **overrides):
     return build(config, jax.devices()[:devices], with_data=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_data, class_axes, fc_dtype", [(1, "data,class", "float32"), (2, "class", "bfloat16")])
 def test_parts_are_the_shards_each_device_holds_and_sum_to_xla_total(mesh_data, class_axes, fc_dtype):
     run = tiny_run(num_classes=1000, mesh_data=mesh_data, class_axes=class_axes, fc_dtype=fc_dtype,
@@ -39,6 +40,7 @@ def test_parts_are_the_shards_each_device_holds_and_sum_to_xla_total(mesh_data, 
     assert parts["outputs not donated"] < 4096  # the state is donated: only the metrics come out new
 
 
+@pytest.mark.slow
 def test_bytes_are_affine_in_the_class_count_and_max_classes_is_the_largest_that_fits():
     memory_at = functools.cache(lambda classes: step_memory(tiny_run(classes, sample_rate=0.5, chunk_size=256)))
     a, b = fit_classes(memory_at, (8 * 2**20, 8 * 2**21))  # PartialFC samples full tiles: temporaries are fixed

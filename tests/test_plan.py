@@ -12,6 +12,7 @@ from jaxcls.plan import cpu_caveats, plan, usable_bytes, verdict
 from jaxcls.run import build
 
 
+@pytest.mark.slow
 def test_plan_reports_parts_verdict_and_the_largest_class_count_that_fits(monkeypatch):
     calls = []
 
@@ -49,6 +50,7 @@ def test_cpu_caveats_name_16_bit_fc_state_and_compute():
     assert cpu_caveats(get_config(), build(get_config(), with_data=False)) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, status, expected", [
     (["--devices", "2", "--device-memory", "1MiB"], 0, "verdict: does not fit"),
     (["--device-memory", "lots"], 1, "error: cannot read 'lots' as a size"),
