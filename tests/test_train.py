@@ -162,6 +162,14 @@ def test_cli_is_quiet_and_evaluates(tmp_path):
     assert 0.4 < result["val/heldout/accuracy"] <= 1.0 and 0 <= result["val/heldout/tar@far=1e-01"] <= 1
     assert (tmp_path / "roc_4.png").read_bytes().startswith(b"\x89PNG")
 
+    # two runs (here the same one twice): each one's table, then the mean ± std over them
+    shutil.copytree(tmp_path, tmp_path.parent / f"{tmp_path.name}-copy")
+    code, lines = cli("jaxcls.eval", "--workdir", str(tmp_path), "--workdir", f"{tmp_path}-copy")
+    assert code == 0, "\n".join(lines)
+    assert lines.count("step 4") == 2 and "over 2 runs: mean ± sample std" in lines, "\n".join(lines)
+    summary = lines[lines.index("over 2 runs: mean ± sample std") + 2]
+    assert summary.split()[:4] == ["heldout", f"{result['val/heldout/accuracy']:.4f}", "±", "0.0000"], summary
+
 
 def test_a_step_too_big_for_the_device_stops_before_any_state_with_the_plan(tmp_path):
     # a device reporting a 1 MiB limit (a CPU reports none): the CLI compiles the step, then stops with the plan

@@ -2,7 +2,9 @@
 
 Loads the run's resolved config and its latest (or ``--step``) checkpoint onto the devices here, prints a
 table (accuracy as insightface, AUC, TAR at FAR) and writes ``<workdir>/eval_<step>.json``; ``--roc`` also draws
-the sets' ROC curves to ``<workdir>/roc_<step>.png`` (matplotlib). IJB-B/C: ``python -m jaxcls.eval.ijb``. Over several
+the sets' ROC curves to ``<workdir>/roc_<step>.png`` (matplotlib). With several ``--workdir`` (e.g. one recipe
+trained with several seeds) each run is evaluated in turn, then the mean ± sample std over the runs is printed
+for every set they all have. IJB-B/C: ``python -m jaxcls.eval.ijb``. Over several
 processes it launches like the trainer (``--distributed`` and the flags of ``jaxcls.distributed``); process 0
 prints and writes.
 """
@@ -14,6 +16,7 @@ import json
 from pathlib import Path
 
 import jax
+import numpy as np
 from absl import flags
 
 from jaxcls import distributed
@@ -27,11 +30,6 @@ from jaxcls.reporting import configure_logging, run_cli
 from jaxcls.run import build
 from jaxcls.workdir import WorkdirLock, WorkdirLocked
 
-flags.DEFINE_string("workdir", None, "the training run's workdir", required=True)
-flags.DEFINE_multi_string("bin", [], "verification .bin files (default: the run's own eval sets)")
-flags.DEFINE_integer("step", None, "checkpoint step (default: latest)")
-flags.DEFINE_bool("roc", False, "also plot the ROC curves to <workdir>/roc_<step>.png (needs matplotlib)")
-distributed.define_flags()
 FLAGS = flags.FLAGS
 
 
@@ -40,7 +38,14 @@ def main(argv):
     if FLAGS.roc:
         optional_import("matplotlib", "plot")  # before the evaluation, not after
     distributed.initialize_from_flags()
-    workdir = Path(FLAGS.workdir).absolute()
+    results = [evaluate(Path(workdir).absolute()) for workdir in FLAGS.workdir]
+    if jax.process_index() == 0 and len(results) > 1:
+        report_over_runs(results)
+
+
+def evaluate(workdir: Path) -> dict:
+    """Evaluate ``workdir``'s checkpoint (``--step`` or the latest) on ``--bin`` or its own sets; process 0 prints
+    and writes the results; returns them (``val/<set>/<metric>`` keys)."""
     config = from_json((workdir / "config.json").read_text())
     if FLAGS.bin:
         config.eval_bins = tuple(FLAGS.bin)
@@ -53,6 +58,8 @@ def main(argv):
     results = evaluator.metrics(embeddings)
     if jax.process_index() == 0:
         with holding(workdir):
+            if len(FLAGS.workdir) > 1:
+                print(workdir)
             report(step, results, workdir / f"eval_{step}.json")
             if FLAGS.roc:
                 curves = {name: roc_curve(issame, pair_cosines(l2_normalize(emb)))[:2]
@@ -60,6 +67,7 @@ def main(argv):
                 plot_roc(curves, workdir / f"roc_{step}.png", f"{workdir.name}, step {step}")
                 print(f"wrote {workdir / f'roc_{step}.png'}")
     checkpoints.close()
+    return results
 
 
 @contextlib.contextmanager
@@ -100,5 +108,40 @@ def report(step: int, results: dict, out: Path) -> None:
     print(f"wrote {out}")
 
 
+def over_runs(results: list[dict]) -> tuple[dict, list[str]]:
+    """``({key: (mean, sample std, runs)}, keys left out)`` over several runs' results: the keys every run has
+    (a set one run lacks is left out, named); the std is 0 for a single run."""
+    common = set.intersection(*(set(r) for r in results))
+    summary = {}
+    for key in sorted(common):
+        values = np.array([r[key] for r in results], np.float64)
+        summary[key] = (values.mean(), values.std(ddof=1) if len(values) > 1 else 0.0, len(values))
+    return summary, sorted(set.union(*(set(r) for r in results)) - common)
+
+
+def report_over_runs(results: list[dict]) -> None:
+    """Print the mean ± sample std over the runs of accuracy, AUC and TAR at each FAR, a line per set."""
+    summary, left_out = over_runs(results)
+    metrics = ["accuracy", "auc", *(far_key(far) for far in FARS)]
+    print(f"over {len(results)} runs: mean ± sample std")
+    print(f"{'set':<16} " + " ".join(f"{m.replace('tar@far=', 'TAR@'):>17}" for m in metrics))
+    for name in sorted({k.split("/")[1] for k in summary}):
+        cells = [summary.get(f"val/{name}/{m}") for m in metrics]
+        print(f"{name:<16} " + " ".join(f"{c[0]:>8.4f} ± {c[1]:<6.4f}" if c else f"{'-':>17}" for c in cells))
+    sets = sorted({k.split("/")[1] for k in left_out})
+    if sets:
+        print(f"not in every run, left out: {', '.join(sets)}")
+
+
+def define_flags():
+    flags.DEFINE_multi_string("workdir", None, "the training run's workdir; repeat it for the mean ± std over runs",
+                              required=True)
+    flags.DEFINE_multi_string("bin", [], "verification .bin files (default: the run's own eval sets)")
+    flags.DEFINE_integer("step", None, "checkpoint step (default: latest)")
+    flags.DEFINE_bool("roc", False, "also plot the ROC curves to <workdir>/roc_<step>.png (needs matplotlib)")
+    distributed.define_flags()
+
+
 if __name__ == "__main__":
+    define_flags()
     run_cli(main)
