@@ -16,13 +16,11 @@ import subprocess
 import sys
 
 import jax
-import numpy as np
-from common import peak_device_bytes, print_table, write_json
+from common import print_table, write_json
+from train import measure
 
 from jaxcls.config import face_config
-from jaxcls.data.pipeline import device_batch
 from jaxcls.memory import step_memory
-from jaxcls.mesh import batch_sharding
 from jaxcls.run import build
 
 GRID = [("r50", 128, 1_000_000, 0.1, "float32"), ("r50", 128, 1_000_000, 0.1, "bfloat16"),
@@ -38,29 +36,14 @@ def step_config(model, batch, classes, sample_rate, fc_dtype, small):
     return c
 
 
-def measured_peak(run, steps: int = 3) -> int | None:
-    """Peak bytes in use on the device after ``steps`` real steps of ``run`` (None where the backend has none)."""
-    state, c = run.init_state(), run.config
-    step = run.compile_step(state)
-    rng = np.random.default_rng(0)
-    images = rng.integers(0, 256, (c.batch_size, c.data.input_size, c.data.input_size, 3), np.uint8)
-    labels = rng.integers(0, c.num_classes, c.batch_size).astype(np.int32)
-    batch = device_batch((images, labels), batch_sharding(run.mesh))
-    for _ in range(steps):
-        state, metrics = step(state, *batch)
-    jax.block_until_ready(metrics)
-    return peak_device_bytes()
-
-
 def row(config, on_device: bool) -> dict:
     cpu = step_memory(build(config, jax.devices("cpu")[:1], with_data=False))
     r = {"model": config.model, "batch": config.batch_size, "classes": config.num_classes,
          "sample_rate": config.sample_rate, "fc_dtype": config.fc_dtype, "planner_GiB": cpu.total / 2**30,
          "planner_parts": cpu.parts, "device_GiB": None, "device_parts": None, "peak_GiB": None}
     if on_device:
-        run = build(config, jax.devices()[:1], with_data=False)
-        device = step_memory(run)
-        peak = measured_peak(run)
+        device = step_memory(build(config, jax.devices()[:1], with_data=False))
+        peak = measure(config, steps=2, warmup=1, devices=jax.devices()[:1])["peak_bytes"]
         r.update(device_GiB=device.total / 2**30, device_parts=device.parts,
                  peak_GiB=None if peak is None else peak / 2**30,
                  activations_ratio=cpu.parts["activations and temporaries"]

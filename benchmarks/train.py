@@ -50,8 +50,8 @@ def step_config(model, batch, num_classes, sample_rate, precision, size, overrid
     return c
 
 
-def measure(config, steps, pipeline_root=None, warmup=3):
-    run = build(config)
+def measure(config, steps, pipeline_root=None, warmup=3, devices=None):
+    run = build(config, devices)
     state = run.init_state()
     step = run.compile_step(state)  # one compile: timed and read for its memory
     rng = np.random.default_rng(0)
