@@ -99,7 +99,9 @@ def test_compact_state_updates_in_float32_and_stores_rounded(dtype, rng):
 
 def assert_rounded_float32_result(stored, exact, dtype, operands):
     """``stored`` is ``exact`` computed in float32 (error ≤ 4 float32 ulps of the ``operands``' magnitude: XLA may
-    fuse or reorder) and rounded once to ``dtype`` (≤ half a ``dtype`` ulp). Arithmetic in ``dtype`` breaks it."""
-    bound = np.abs(exact) * float(jnp.finfo(dtype).eps) / 2 + 4 * float(np.finfo(np.float32).eps) * operands
+    fuse or reorder) and rounded once to ``dtype`` (≤ half a ``dtype`` ulp; below the normal range the ulp is the
+    smallest subnormal: float16 under 6.1e-5). Arithmetic in ``dtype`` breaks it."""
+    half_ulp = np.maximum(np.abs(exact) * float(jnp.finfo(dtype).eps), float(jnp.finfo(dtype).smallest_subnormal)) / 2
+    bound = half_ulp + 4 * float(np.finfo(np.float32).eps) * operands
     error = np.abs(np.asarray(stored, np.float32) - exact)
     assert np.all(error <= bound), f"{np.sum(error > bound)} values off by up to {np.max(error - bound):.3g}"
