@@ -9,7 +9,7 @@ Rows: each decoder alone (Pillow, simplejpeg, OpenCV where installed) on one thr
 (does it release the GIL?); ``decode_image`` (marker checks + simplejpeg, or Pillow without it); a reduced-scale
 decode to 48 pixels (``to_image``: DCT scaling + bilinear) against a full decode + resize; the Grain pipeline
 (``HostBatches``) with 1 thread, ``--threads`` threads, twice that, and ``--threads`` worker processes, at the
-stored size, and at 48.
+stored size, and at 48; each augmentation alone (probability 1) per image at both sizes.
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ from absl import flags
 from common import print_table, write_json
 from PIL import Image
 
+from jaxcls.data import augment as augmentations
 from jaxcls.data import recordio
+from jaxcls.data.augment import Augment
 from jaxcls.data.pipeline import HostBatches, to_image
 from jaxcls.data.recordio import MXFaceDataset, decode_image, pack, write_records
 
@@ -96,6 +98,18 @@ def rate(fn, raw: list[bytes], threads: int, repeats: int) -> float:
         return best_of(repeats, run)
 
 
+def augment_rate(augment: Augment, images: np.ndarray, repeats: int) -> float:
+    """Images per second of ``augment.apply`` on uint8 ``images`` ``[n, S, S, 3]`` (one thread)."""
+
+    def run():
+        batch = images.copy()
+        start = time.perf_counter()
+        augment.apply(batch, 0, np.arange(len(batch)))
+        return len(batch) / (time.perf_counter() - start)
+
+    return best_of(repeats, run)
+
+
 def pipeline_rate(ds, batches: int, batch_size: int, size: int, threads: int, repeats: int, workers: int = 0) -> float:
     it = HostBatches(ds, global_batch=batch_size, rows=(0, batch_size), size=size, seed=0, threads=threads,
                      workers=workers)
@@ -152,6 +166,11 @@ def main():
         for threads in counts:
             row(PIPELINE, ours[-1], pipeline_rate(ds, batches, batch, REDUCED, threads, repeats), threads,
                 size=REDUCED)
+    for size in (stored, REDUCED):  # each augmentation alone, applied to every image
+        images = np.stack([to_image(data, size) for data in raw[:512]])
+        for name in ("none",) + augmentations.PROBABILITIES:
+            augment = Augment(**({} if name == "none" else {name: 1.0}))
+            row(f"augment {name} (p=1)", "-", augment_rate(augment, images, repeats), size=size)
     for r in rows:
         r.update(data=str(root), stored_size=stored)
     print_table(rows, ["stage", "decoder", "threads", "workers", "size", "img_per_s", "img_per_s_per_core"])

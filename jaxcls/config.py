@@ -6,6 +6,7 @@ not in ``base_config()`` are an error, as are inconsistent values (see ``validat
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import json
@@ -13,6 +14,8 @@ import os
 
 import ml_collections
 
+from jaxcls.data import augment
+from jaxcls.data.augment import Augment
 from jaxcls.data.sources import SOURCES
 from jaxcls.fc import DEFAULT_CHUNK
 from jaxcls.losses.margins import MARGINS
@@ -35,6 +38,8 @@ def base_config() -> ml_collections.ConfigDict:
         bad_records="error",  # error | skip: a record that cannot be read or decoded stops the run, or is
         # replaced by the next good one and listed in <workdir>/bad_records.txt
         procedural=dict(num_classes=1000, images_per_class=16, size=32, strokes=5),
+        # per image, before the flip: a probability per op (0: off) and its strength (jaxcls.data.augment.Augment)
+        augment={f.name: f.default for f in dataclasses.fields(Augment)},
     ))
     c.num_classes = 1000
     # Model.
@@ -132,7 +137,7 @@ RANGES = [(key, rule, words) for keys, rule, words in [
       "eval_batch_size", "log_every", "ckpt_every", "keep_checkpoints", "max_bad_steps", "data.input_size",
       "data.threads", "loss_scale.growth_interval"), lambda v: v >= 1, ">= 1"),
     (("collapse_warning",), lambda v: 0 <= v <= 1, "in [0, 1]"),
-] for key in keys]
+] for key in keys] + [("data.augment." + name, rule, words) for name, rule, words in augment.RANGES]
 # keys that may differ when a run resumes: where and how it runs, what it reports; never the model, the data
 # stream or the optimization
 RESUMABLE_KEYS = {"mesh_data", "class_axes", "chunk_size", "remat", "data.root", "data.workers", "data.threads",

@@ -18,6 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxcls.config import check_data_classes, validate
+from jaxcls.data.augment import Augment
 from jaxcls.data.pipeline import HostBatches
 from jaxcls.data.sources import SOURCES, make_source
 from jaxcls.fc import FCHead
@@ -75,7 +76,8 @@ class Run:
         ``bad_records_log`` (a path)."""
         c = self.config
         return HostBatches(self.source, global_batch=c.batch_size, rows=host_rows(self.mesh, c.batch_size),
-                           size=c.data.input_size, seed=c.seed, flip=c.data.flip, workers=c.data.workers,
+                           size=c.data.input_size, seed=c.seed, flip=c.data.flip,
+                           augment=Augment.from_config(c.data.augment), workers=c.data.workers,
                            threads=c.data.threads, num_classes=c.num_classes, bad_records=c.data.bad_records,
                            bad_records_log=bad_records_log)
 
@@ -97,7 +99,8 @@ class Run:
             f"({self.mesh.devices.flat[0].platform}, {jax.process_count()} process(es)); global batch "
             f"{c.batch_size} ({c.batch_size // self.mesh.size} per device); optimizer {c.optimizer} lr {c.lr:g}",
             f"data {c.data.kind}{' ' + c.data.root if c.data.root else ''}: {data}; "
-            f"input {c.data.input_size}×{c.data.input_size}",
+            f"input {c.data.input_size}×{c.data.input_size}; augment: "
+            + ", ".join(Augment.from_config(c.data.augment).names() + ["flip"] * c.data.flip or ["none"]),
         ]
 
 

@@ -1,5 +1,6 @@
 """The Grain input pipeline: host batches, epochs, exact resume from a saved position, device placement."""
 
+import functools
 import io
 import re
 from pathlib import Path
@@ -11,7 +12,8 @@ import pytest
 from absl import flags
 from PIL import Image
 
-from jaxcls.data.pipeline import HostBatches, device_batch, flip_coins, normalize, resize_batch, to_image
+from jaxcls.data.augment import Augment, flip_coins
+from jaxcls.data.pipeline import HostBatches, device_batch, normalize, resize_batch, to_image
 from jaxcls.data.recordio import DataError, MXFaceDataset, pack, write_records
 from jaxcls.data.sources import ImageFolder, ProceduralGlyphs
 from jaxcls.mesh import batch_sharding, make_mesh
@@ -40,14 +42,19 @@ def test_flips_are_mirror_images_and_deterministic():
     np.testing.assert_array_equal(flipped, next(batches(source, flip=True))[0])
 
 
-def test_resume_from_a_saved_position_gives_the_same_next_batches():
+AUGMENTS = [Augment(), Augment(crop=0.5, rotate=0.5, lowres=0.3, blur=0.3, color=0.5, grayscale=0.2, erase=0.3)]
+
+
+@pytest.mark.parametrize("augment", AUGMENTS, ids=["flip", "augmented"])
+def test_resume_from_a_saved_position_gives_the_same_next_batches(augment):
     source = ProceduralGlyphs(num_classes=6, images_per_class=4, size=16)
-    it = batches(source)
+    make = functools.partial(batches, augment=augment)
+    it = make(source)
     for _ in range(4):  # into the second epoch
         next(it)
     position = it.get_state()
     expected = [next(it) for _ in range(3)]
-    resumed = batches(source)
+    resumed = make(source)
     resumed.set_state(position)
     for (a, y), (b, z) in zip(expected, (next(resumed) for _ in range(3))):
         np.testing.assert_array_equal(a, b)
@@ -129,10 +136,12 @@ def test_device_batch_splits_the_batch_over_every_device():
     np.testing.assert_array_equal(jax.device_get(labels), np.arange(16))
 
 
-def test_hosts_take_their_rows_of_every_global_batch_and_share_one_position():
+@pytest.mark.parametrize("augment", AUGMENTS, ids=["flip", "augmented"])
+def test_hosts_take_their_rows_of_every_global_batch_and_share_one_position(augment):
+    make = functools.partial(batches, augment=augment)
     source = ProceduralGlyphs(num_classes=6, images_per_class=4, size=16)
-    whole = batches(source)
-    hosts = [batches(source, rows=rows) for rows in ((0, 3), (3, 8))]
+    whole = make(source)
+    hosts = [make(source, rows=rows) for rows in ((0, 3), (3, 8))]
     for _ in range(4):  # into the second epoch
         images, labels = next(whole)
         parts = [next(h) for h in hosts]
@@ -140,7 +149,7 @@ def test_hosts_take_their_rows_of_every_global_batch_and_share_one_position():
         np.testing.assert_array_equal(labels, np.concatenate([p[1] for p in parts]))
     assert hosts[0].get_state() == hosts[1].get_state() == whole.get_state() == {"global_batches": 4}
     expected = next(whole)
-    one_host = batches(source)
+    one_host = make(source)
     one_host.set_state(hosts[0].get_state())  # saved by two hosts, continued by one
     np.testing.assert_array_equal(next(one_host)[0], expected[0])
 

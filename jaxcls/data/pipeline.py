@@ -1,8 +1,8 @@
 """The training input pipeline on Grain: one global stream, each host decoding its rows of every global batch.
 
 The image indices are shuffled anew each epoch with the seed into one global stream, cut into global
-batches; a host reads, decodes, flips and stacks only its rows of each (the rows its devices hold in the batch
-sharding), a whole host batch per Grain element, batches decoded in parallel threads (JPEGs decode with
+batches; a host reads, decodes, augments, flips and stacks only its rows of each (the rows its devices hold in the
+batch sharding), a whole host batch per Grain element, batches decoded in parallel threads (JPEGs decode with
 libjpeg-turbo, which releases the GIL) or worker processes, with prefetch. Batches are uint8 images
 ``[B_host, S, S, 3]`` and int32 labels; normalization ``(x/255 − 0.5)/0.5`` happens on the device inside the train
 step (``normalize``), so a quarter of the bytes cross to the device. The position saved with every checkpoint counts
@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from PIL import Image
 
+from jaxcls.data.augment import Augment, flip_coins
 from jaxcls.data.recordio import DataError, decode_image
 
 BAD_RECORDS = ("error", "skip")
@@ -74,20 +75,6 @@ def normalize(images: jax.Array) -> jax.Array:
     return images.astype(jnp.float32) * (2.0 / 255.0) - 1.0
 
 
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finalizer on uint64 ``[n]`` (wrapping arithmetic): every input bit moves every output bit."""
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
-def flip_coins(seed: int, positions: np.ndarray) -> np.ndarray:
-    """bool ``[n]``: whether the images at global ``positions`` (int ``[n]``) are mirrored; a counter-based hash of
-    ``(seed, position)``, so the same on any host, thread or worker and after a resume."""
-    key = _mix(np.array([seed % 2**64], np.uint64))
-    return _mix(np.asarray(positions).astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + key) >> np.uint64(63) == 1
-
-
 class _HostRows:
     """Grain source of this host's part of every global batch: element ``k`` is ``(global positions int64 [R], image
     indices int64 [R])`` of global batch ``first + k``, rows ``start … stop − 1`` (``R = stop − start``).
@@ -113,12 +100,12 @@ class _HostRows:
 class _DecodeBatch:
     """Grain map: ``(positions [R], indices [R]) -> (uint8 images [R, S, S, 3], int32 labels [R], int32 records
     skipped)``: read, check the label and decode each image into one array, those of another size resized together
-    (``resize_batch``), then mirror those whose coin (``flip_coins``) says so. With ``skip``, a bad record is replaced
-    by the next good one in the source and its error appended to ``log``."""
+    (``resize_batch``), augment them (``Augment.apply``), then mirror those whose coin (``flip_coins``) says so. With
+    ``skip``, a bad record is replaced by the next good one in the source and its error appended to ``log``."""
 
-    def __init__(self, source, size: int, flip: bool, seed: int, num_classes: int | None, skip: bool,
-                 log: str | None):
-        self.source, self.size, self.flip, self.seed = source, size, flip, seed
+    def __init__(self, source, size: int, flip: bool, augment: Augment, seed: int, num_classes: int | None,
+                 skip: bool, log: str | None):
+        self.source, self.size, self.flip, self.augment, self.seed = source, size, flip, augment, seed
         self.num_classes, self.skip, self.log = num_classes, skip, log
 
     def _load(self, index: int) -> tuple[np.ndarray, int]:
@@ -153,6 +140,7 @@ class _DecodeBatch:
                 pending[row] = image
             skipped += bad
         _resize_into(images, pending)
+        self.augment.apply(images, self.seed, positions)
         if self.flip:  # whole 3-byte pixels: twice as fast as numpy's byte-wise images[:, :, ::-1]
             pixels, mirrored = images.view("V3"), flip_coins(self.seed, positions)
             pixels[mirrored] = pixels[mirrored, :, ::-1]
@@ -165,23 +153,24 @@ class HostBatches:
     Its state is the number of *global* batches consumed: the same on every host and for any host count,
     so a run checkpointed on 2 processes resumes on 1 (or 8) with exactly the next global batch.
     ``threads`` host batches are decoded at once, in threads of this process, or (``workers > 0``) of each of that
-    many worker processes. Labels are checked against ``num_classes`` when given. ``bad_records``: ``"error"`` raises
-    the ``DataError`` of a bad record from ``next``; ``"skip"`` replaces it (see the module) and appends its error to
-    the file ``bad_records_log`` when decoded (which runs ahead of ``next``: a record may be listed before its batch is
-    taken, or twice across a resume); ``self.bad_records`` counts the records skipped in the batches this iterator
-    returned since it was made or ``set_state``.
+    many worker processes. ``augment`` (none by default) changes each image before the flip. Labels are checked
+    against ``num_classes`` when given. ``bad_records``: ``"error"`` raises the ``DataError`` of a bad record from
+    ``next``; ``"skip"`` replaces it (see the module) and appends its error to the file ``bad_records_log`` when
+    decoded (which runs ahead of ``next``: a record may be listed before its batch is taken, or twice across a
+    resume); ``self.bad_records`` counts the records skipped in the batches this iterator returned since it was made
+    or ``set_state``.
     """
 
     def __init__(self, source, *, global_batch: int, rows: tuple[int, int], size: int, seed: int, flip: bool = True,
-                 workers: int = 0, threads: int = 2, num_classes: int | None = None, bad_records: str = "error",
-                 bad_records_log: str | None = None):
+                 augment: Augment = Augment(), workers: int = 0, threads: int = 2, num_classes: int | None = None,
+                 bad_records: str = "error", bad_records_log: str | None = None):
         if not 0 <= rows[0] < rows[1] <= global_batch:
             raise ValueError(f"host rows {rows} are not a part of a global batch of {global_batch}")
         if bad_records not in BAD_RECORDS:
             raise ValueError(f"unknown bad_records policy {bad_records!r}: choose error or skip")
         self.source, self.global_batch, self.rows = source, global_batch, rows
         self.size, self.seed, self.flip, self.workers, self.threads = size, seed, flip, workers, threads
-        self._decode = _DecodeBatch(source, size, flip, seed, num_classes, bad_records == "skip",
+        self._decode = _DecodeBatch(source, size, flip, augment, seed, num_classes, bad_records == "skip",
                                     None if bad_records_log is None else str(bad_records_log))
         self.set_state({"global_batches": 0})
 
