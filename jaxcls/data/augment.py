@@ -76,8 +76,9 @@ def border_colour(image: np.ndarray) -> tuple[int, int, int]:
 def warp_matrix(size: int, area: float = 1.0, ratio: float = 1.0, x: float = 0.5, y: float = 0.5,
                 degrees: float = 0.0) -> np.ndarray:
     """The ``[2, 3]`` map from output to input coordinates (continuous, pixel centres at +0.5) of a ``size``-sided
-    image: rotate by ``degrees`` (counter-clockwise on screen) about the centre, then show the box of ``area`` (a fraction of the image) and aspect
-    ``ratio`` (width / height) at relative place ``x, y`` ∈ [0, 1] (0: left / top edge, 1: right / bottom)."""
+    image: rotate by ``degrees`` (counter-clockwise on screen) about the centre, then show the box of ``area`` (a
+    fraction of the image) and aspect ``ratio`` (width / height) at relative place ``x, y`` ∈ [0, 1] (0: left / top
+    edge, 1: right / bottom)."""
     width = min(size * math.sqrt(area * ratio), size)
     height = min(size * math.sqrt(area / ratio), size)
     left, top = x * (size - width), y * (size - height)
