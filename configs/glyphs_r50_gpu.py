@@ -1,0 +1,26 @@
+"""glyphs on one GPU: full-width IResNet-50 at 112×112, bfloat16, CosFace 0.35, 24 epochs of batch 256.
+
+    python -m jaxcls.train --config configs/glyphs_r50_gpu.py --workdir runs/glyphs_r50_gpu
+
+Expected runtime on one H100: 1,680 steps × 256 images at the r50 step's ~5,000 img/s is ~90 s of training, plus
+compiling and two evaluations: 3–4 minutes (an estimate: not yet run on a GPU). The plain Flax r18 of
+../shared/ANCHORS.md reached 97.3% on glyphs_pairs.bin with this schedule and data at 112×112, flip only. CosFace,
+not ArcFace: with 12 images per identity ArcFace from scratch collapses (configs/glyphs_r18.py says more).
+The augmentations are configs/glyphs_r18.py's (see docs/training.md, "Augmentation on glyphs").
+"""
+
+import os
+
+from jaxcls.config import face_config
+
+GLYPHS = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data",
+                                       "glyphs"))
+
+
+def get_config():
+    c = face_config(root=GLYPHS, num_classes=1500, num_images=18000, epochs=24, model="r50",
+                    margin=("cosface", 0.35), batch=256, lr=0.1, warmup_epochs=1)
+    c.eval_bins = (os.path.join(GLYPHS, "glyphs_pairs.bin"),)
+    c.eval_every = c.ckpt_every = c.total_steps // 2
+    c.log_every = 20
+    return c
