@@ -6,7 +6,8 @@ Expected runtime on one H100: 1,680 steps × 256 images at the r50 step's ~5,000
 compiling and two evaluations: 3–4 minutes (an estimate: not yet run on a GPU). The plain Flax r18 of
 ../shared/ANCHORS.md reached 97.3% on glyphs_pairs.bin with this schedule and data at 112×112, flip only. CosFace,
 not ArcFace: with 12 images per identity ArcFace from scratch collapses (configs/glyphs_r18.py says more).
-The augmentations are configs/glyphs_r18.py's (see docs/training.md, "Augmentation on glyphs").
+Flip only, as configs/glyphs_r18.py: no other augmentation helped glyphs in the CPU study (docs/training.md,
+"Augmentation on glyphs").
 """
 
 import os
