@@ -76,7 +76,8 @@ def _train(run, workdir: Path, checkpoints: RunCheckpoints, stop: StopRequests, 
     writer, sharding = MetricsWriter(workdir, resumed_step=start_step), batch_sharding(run.mesh)
     end = config.total_steps if stop_after is None else min(stop_after, config.total_steps)
     bar = Progress(config.total_steps, start_step, enabled=progress and jax.process_index() == 0)
-    bad, last, tick, stopped = BadSteps(config.max_bad_steps, checkpoints), {}, time.perf_counter(), False
+    bad, last, stopped = BadSteps(config.max_bad_steps, checkpoints), {}, False
+    tick, row_step = time.perf_counter(), start_step  # when and at which step the previous row was written
     try:
         for step in range(start_step + 1, end + 1):
             images, labels = next(batches)
@@ -84,14 +85,15 @@ def _train(run, workdir: Path, checkpoints: RunCheckpoints, stop: StopRequests, 
             state, metrics = step_fn(state, *device_batch((images, labels), sharding))
             bad.observe(bar.dispatched(metrics))
             checkpoints.check()  # a save that failed in the background stops the run now
-            if step % config.log_every == 0 or step == config.total_steps:
-                last = logged_metrics(jax.device_get(metrics), step, config, time.perf_counter() - tick, bad.total,
-                                      batches.bad_records)
-                if step % config.eval_every == 0 or step == config.total_steps:
+            evaluating = step % config.eval_every == 0 or step == config.total_steps
+            if evaluating or step % config.log_every == 0:  # an eval step writes a row whatever the log cadence
+                last = logged_metrics(jax.device_get(metrics), step, row_step, config, time.perf_counter() - tick,
+                                      bad.total, batches.bad_records)
+                if evaluating:
                     last.update(evaluate(state))
                 writer.write(step, last)
                 bar.show({k: v for k, v in last.items() if "/" not in k or k.endswith("accuracy")})
-                tick = time.perf_counter()
+                tick, row_step = time.perf_counter(), step
             stopped = stop.now(step)
             if step % config.ckpt_every == 0 or step == end or stopped:
                 save(checkpoints, step, state, batches.get_state())
@@ -211,11 +213,12 @@ def save(checkpoints: RunCheckpoints, step: int, state: dict, data_position: dic
 _finite_parts = jax.jit(lambda state: {k: all_finite(v) for k, v in state.items()})
 
 
-def logged_metrics(metrics: dict, step: int, config, seconds: float, skipped: int, bad_records: int) -> dict:
-    """The row of ``metrics.jsonl`` for a log step (``seconds`` since the previous one); warns on a bad step."""
-    steps = config.log_every if step % config.log_every == 0 else step % config.log_every
+def logged_metrics(metrics: dict, step: int, row_step: int, config, seconds: float, skipped: int,
+                   bad_records: int) -> dict:
+    """The row of ``metrics.jsonl`` for ``step``, ``seconds`` after the previous row (at ``row_step``); warns on a
+    bad step."""
     row = {k: float(metrics[k]) for k in ("loss", "lr", "grad_norm", "loss_scale")}
-    row.update(img_per_s=steps * config.batch_size / seconds, skipped_steps=skipped)
+    row.update(img_per_s=(step - row_step) * config.batch_size / seconds, skipped_steps=skipped)
     if config.data.bad_records == "skip":
         row["bad_records"] = bad_records
     if not metrics["finite"]:

@@ -147,9 +147,13 @@ def cli(*args):
 
 def test_cli_is_quiet_and_evaluates(tmp_path):
     flags = ["--config", "tests/tiny.py", "--workdir", str(tmp_path), "--config.sample_rate=0.5",
-             "--config.eval_every=4", "--config.log_every=2"]
+             "--config.eval_every=3", "--config.log_every=2"]
     code, lines = cli("jaxcls.train", *flags, "--config.total_steps=4")
     assert code == 0, "\n".join(lines)
+    # a row every log step and every eval step (3 is not a log step), verification at each eval step and the last
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(row["step"], "val/heldout/accuracy" in row) for row in rows] == [(2, False), (3, True), (4, True)]
+    assert all(row["img_per_s"] > 0 for row in rows)
     assert 4 <= len(lines) <= 15, "\n".join(lines)
     assert not any(re.match(r"[IW]\d{4} ", line) for line in lines), "absl INFO lines leaked:\n" + "\n".join(lines)
     assert lines[0].startswith("model r18") and re.search(r"done: loss [\d.]+, verification heldout", lines[-1])
