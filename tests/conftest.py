@@ -28,6 +28,10 @@ COMPILATION_CACHE = os.environ["JAXCLS_TEST_XLA_CACHE"]
 jax.config.update("jax_compilation_cache_dir", COMPILATION_CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+# A process may read an entry another one is still writing: JAX then warns and compiles again, harmlessly, but the
+# warning would come first in a CLI's stderr, which several tests read line by line; subprocesses inherit the filter
+os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [
+    os.environ.get("PYTHONWARNINGS"), "ignore:Error reading persistent compilation cache entry:UserWarning"]))
 
 MESH_SHAPES = [(1, 8), (2, 4), (4, 2), (8, 1)]
 
