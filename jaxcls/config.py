@@ -13,6 +13,8 @@ import json
 import os
 
 import ml_collections
+from absl import flags
+from ml_collections import config_flags
 
 from jaxcls.data import augment
 from jaxcls.data.augment import Augment
@@ -123,6 +125,14 @@ def check_config_flags(argv, flag: str = "config") -> None:
             name = arg.split("=", 1)[0].split(".", 1)[1]
             if name not in valid and not any(name.startswith(f + ".") for f in FREE_FORM):
                 raise unknown_key_error(name)
+
+
+def define_config_flag(values: flags.FlagValues = flags.FLAGS) -> None:
+    """The ``--config`` flag of the command-line programs: a configs/*.py file (default: this module's
+    procedural run) with ``--config.<key>=<value>`` overrides. ``check_config_flags`` refuses unknown keys before
+    parsing, so only the free-form dicts take new keys (``--config.model_kwargs.dropout=0.2``, read as a literal)."""
+    config_flags.DEFINE_config_file("config", __file__, "a configs/*.py file; default: the built-in procedural run",
+                                    flag_values=values, lock_config=False, accept_new_attributes=True)
 
 
 # (dotted key, predicate, the rule in words): every numeric key's range

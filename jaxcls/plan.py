@@ -17,8 +17,8 @@ import os
 
 import jax
 from absl import flags
-from ml_collections import config_flags
 
+from jaxcls.config import define_config_flag
 from jaxcls.memory import format_bytes, max_classes_that_fit, parse_bytes, step_memory
 from jaxcls.mesh import class_shards
 from jaxcls.reporting import configure_logging, run_cli
@@ -107,8 +107,7 @@ def main(argv):
 
 
 def define_flags():
-    default = os.path.join(os.path.dirname(__file__), "config.py")
-    config_flags.DEFINE_config_file("config", default, "a configs/*.py file; default: the built-in procedural run")
+    define_config_flag()
     flags.DEFINE_integer("devices", 8, "devices the run will have (simulated here as CPU devices)")
     flags.DEFINE_string("device-memory", "80GiB", "memory of one device, e.g. 80GiB, 24GB, 40GiB")
     flags.DEFINE_bool("max-classes", False, "also find the largest num_classes that fits")

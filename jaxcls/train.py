@@ -19,11 +19,10 @@ from pathlib import Path
 
 import jax
 from absl import flags
-from ml_collections import config_flags
 
 from jaxcls import distributed
 from jaxcls.checkpoint import CheckpointError, RunCheckpoints
-from jaxcls.config import from_json, resume_differences
+from jaxcls.config import define_config_flag, from_json, resume_differences
 from jaxcls.data.pipeline import device_batch
 from jaxcls.eval.evaluator import Evaluator
 from jaxcls.interrupts import Preempted, StopRequests
@@ -240,8 +239,7 @@ def main(argv):
 
 
 def define_flags():
-    default = os.path.join(os.path.dirname(__file__), "config.py")
-    config_flags.DEFINE_config_file("config", default, "a configs/*.py file; default: the built-in procedural run")
+    define_config_flag()
     flags.DEFINE_string("workdir", "runs/default", "where checkpoints, metrics and the config go")
     flags.DEFINE_integer("stop_after", None, "end after this step (checkpointed), e.g. within a time-limited job")
     flags.DEFINE_string("init_from", None, "WORKDIR[:STEP]: start a new run from that run's backbone")

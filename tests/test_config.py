@@ -13,7 +13,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from jaxcls.config import (NAMED_CHOICES, RANGES, RESUMABLE_KEYS, base_config, check_config_flags, check_keys,
-                           from_json, get_key, resume_differences, validate)
+                           define_config_flag, from_json, get_key, resume_differences, validate)
 from jaxcls.fc import DEFAULT_CHUNK
 from jaxcls.run import build
 from tiny import get_config as tiny_config
@@ -118,6 +118,21 @@ def test_list_valued_keys_are_settable_from_the_command_line():
                                         sys_argv=argv)
         values(argv)
         assert values.config.eval_bins == expected
+
+
+def test_free_form_keys_can_be_added_from_the_command_line(monkeypatch):
+    """``model_kwargs`` and ``data.procedural`` go to constructors as they are: ``--config.model_kwargs.dropout``
+    adds a key the config file lacks (a bare AttributeError before), its value read as a literal."""
+    argv = ["train", "--config", str(Path(__file__).parent / "tiny.py"), "--config.model_kwargs.dropout=0.2",
+            "--config.model_kwargs.width", "24", "--config.model_kwargs.act=prelu", "--noconfig.model_kwargs.bias",
+            "--config.data.procedural.size=8", "--config.lr=0.2"]
+    values = flags.FlagValues()
+    monkeypatch.setattr(sys, "argv", argv)  # where ml_collections looks for the overrides it defines
+    define_config_flag(values)
+    check_config_flags(argv)
+    values(argv)
+    assert values.config.model_kwargs.to_dict() == dict(width=24, dropout=0.2, act="prelu", bias=False)
+    assert values.config.data.procedural.size == 8 and values.config.lr == 0.2
 
 
 def test_saved_config_reads_back_and_old_ones_get_new_defaults():
