@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 from absl import flags
-from ml_collections import config_flags
 
 from jaxcls.config import (NAMED_CHOICES, RANGES, RESUMABLE_KEYS, base_config, check_config_flags, check_keys,
                            define_config_flag, from_json, get_key, resume_differences, validate)
@@ -110,12 +109,12 @@ def test_command_line_keys_are_checked_with_the_closest_valid_key(tmp_path):
         check_config_flags(["train", "--config", "nowhere.py"])
 
 
-def test_list_valued_keys_are_settable_from_the_command_line():
+def test_list_valued_keys_are_settable_from_the_command_line(monkeypatch):
     for argv, expected in [(["--config.eval_bins=a.bin", "--config.eval_bins=b.bin"], ("a.bin", "b.bin")),
                            (["--config.eval_bins=('lfw.bin', 'cfp_fp.bin')"], ("lfw.bin", "cfp_fp.bin"))]:
-        values, argv = flags.FlagValues(), ["train", *argv]
-        config_flags.DEFINE_config_file("config", str(Path(__file__).parent / "tiny.py"), flag_values=values,
-                                        sys_argv=argv)
+        values, argv = flags.FlagValues(), ["train", "--config", str(Path(__file__).parent / "tiny.py"), *argv]
+        monkeypatch.setattr(sys, "argv", argv)  # where ml_collections looks for the overrides it defines
+        define_config_flag(values)
         values(argv)
         assert values.config.eval_bins == expected
 
