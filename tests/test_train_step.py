@@ -102,8 +102,8 @@ def assert_same_update(new, expected, old, rtol=1e-2, atol=1e-6):
     move, not the value: CI's CPU once put the 8-device stem BatchNorm bias 1e-3 of its move off the 1-device one
     (this machine: 1e-6), as when rounding puts one activation on the other side of a PReLU's kink; a wrong
     step (per-device statistics for synced ones) is off by more than its whole move."""
-    for path, x, y, x0 in zip(*zip(*jax.tree_util.tree_leaves_with_path(new)), jax.tree.leaves(expected),
-                              jax.tree.leaves(old), strict=True):
+    for (path, x), y, x0 in zip(jax.tree_util.tree_leaves_with_path(new), jax.tree.leaves(expected),
+                                jax.tree.leaves(old), strict=True):
         moved, expected_move = (np.asarray(v, np.float64) - np.asarray(x0, np.float64) for v in (x, y))
         error, scale = np.linalg.norm(moved - expected_move), np.linalg.norm(expected_move)
         assert error <= rtol * scale + atol, f"{jax.tree_util.keystr(path)}: moved {error:.3g} off, of {scale:.3g}"
