@@ -11,7 +11,6 @@ pairs can resolve; ``jaxcls.eval.roc``).
 from __future__ import annotations
 
 import os
-import pickle
 from pathlib import Path
 
 import numpy as np
@@ -19,35 +18,62 @@ import numpy as np
 from jaxcls.data.pipeline import to_image
 from jaxcls.data.recordio import DataError
 from jaxcls.eval.roc import has_both_kinds, roc_metrics
+from jaxcls.safe_pickle import restricted_loads
 
 FARS = (1e-1, 1e-2, 1e-3, 1e-4)
 
 
-def load_bin(path: str | os.PathLike, size: int = 112) -> tuple[np.ndarray, np.ndarray]:
-    """``.bin`` → ``(uint8 images [2N, size, size, 3], bool issame [N])``; Python 2 pickles too.
+def _latin1(text, encoding="latin1") -> bytes:
+    """``_codecs.encode``: how Python 3 pickles ``bytes`` at protocols 0–2 (text holding one byte per character)."""
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
+        raise ValueError(f"_codecs.encode({type(text).__name__}, {encoding!r}) is not how bytes are pickled")
+    return text.encode("latin1")
 
-    A file that is not such a pickle, or an image in it that cannot be decoded, raises ``DataError`` naming the file
-    (and the image's index).
+
+def _bytes(*args) -> bytes:
+    """``bytes()`` (an empty image) or ``bytes(b)``; never ``bytes(n)``, which would allocate n zeros."""
+    if args and not (len(args) == 1 and isinstance(args[0], (bytes, bytearray))):
+        raise ValueError(f"bytes{tuple(type(a).__name__ for a in args)} is not how bytes are pickled")
+    return bytes(*args)
+
+
+def _bytearray(*args) -> bytearray:
+    """``bytearray(b)`` (protocols 3–4) or ``bytearray(text, 'latin-1')`` (0–2)."""
+    return bytearray(_latin1(*args) if args and isinstance(args[0], str) else _bytes(*args))
+
+
+# the only functions an honest .bin's pickle calls: byte strings at protocols 0–2, bytearrays at 0–4
+BIN_GLOBALS = {("_codecs", "encode"): _latin1,
+               **{(module, "bytes"): _bytes for module in ("builtins", "__builtin__")},
+               **{(module, "bytearray"): _bytearray for module in ("builtins", "__builtin__")}}
+
+
+def load_bin(path: str | os.PathLike, size: int = 112) -> tuple[np.ndarray, np.ndarray]:
+    """``.bin`` → ``(uint8 images [2N, size, size, 3], bool issame [N])``; pickle protocols 0–5, Python 2's too.
+
+    The pickle is read by ``restricted_loads``: it may hold only byte strings, lists, tuples and booleans, so a file
+    carrying code is refused (``RefusedPickle``) and nothing in it runs. A file that is not such a pickle, or an
+    image in it that cannot be decoded or is too large (``decode_image``), raises ``DataError`` naming the file (and
+    the image's index).
     """
-    data = Path(path).read_bytes()
-    try:
-        try:
-            bins, issame = pickle.loads(data)
-        except UnicodeDecodeError:
-            bins, issame = pickle.loads(data, encoding="bytes")
-        issame = np.asarray(issame)
-    except Exception as e:  # unpickling garbage can raise almost any type
-        raise DataError(f"{path}: not a verification .bin (a pickled (images, issame) pair): "
-                        f"{type(e).__name__}: {e}") from e
-    if issame.ndim != 1 or issame.dtype != bool or not isinstance(bins, (list, tuple)):
+    loaded = restricted_loads(Path(path).read_bytes(), str(path), BIN_GLOBALS, kind="verification .bin")
+    if not (isinstance(loaded, (tuple, list)) and len(loaded) == 2):
+        raise DataError(f"{path}: not a valid verification .bin: expected a pickled (images, issame) pair, got "
+                        f"{type(loaded).__name__}")
+    bins, issame = loaded
+    if not isinstance(bins, (list, tuple)) or not isinstance(issame, (list, tuple)):
         raise DataError(f"{path}: expected a list of images and a list of booleans, got {type(bins).__name__} "
-                        f"and {issame.dtype} {issame.shape}")
+                        f"and {type(issame).__name__}")
+    not_bool = [type(flag).__name__ for flag in issame if not isinstance(flag, bool)]
+    if not_bool:
+        raise DataError(f"{path}: the pair list holds {not_bool[0]} values, not only booleans")
     if len(bins) != 2 * len(issame):
         raise DataError(f"{path}: {len(bins)} images for {len(issame)} pairs (expected twice as many)")
     for i, b in enumerate(bins):
         if not isinstance(b, (bytes, bytearray)):
             raise DataError(f"{path} (image {i}): {type(b).__name__} instead of encoded image bytes")
-    return np.stack([to_image(b, size, f"{path} (image {i})") for i, b in enumerate(bins)]), issame
+    images = [to_image(b, size, f"{path} (image {i})") for i, b in enumerate(bins)]
+    return np.stack(images) if images else np.zeros((0, size, size, 3), np.uint8), np.array(issame, bool)
 
 
 def _accuracy(threshold, dist, issame):
