@@ -61,8 +61,8 @@ class RecordIndex:
                     key, offset = map(int, line.split(b"\t"))
                 except ValueError:
                     raise DataError(f"{path}:{line_no}: expected 'key<TAB>offset', got {line.strip()!r}") from None
-                if offset < 0:
-                    raise DataError(f"{path}:{line_no}: negative offset")
+                if not 0 <= offset < 1 << 63 or not -(1 << 63) <= key < 1 << 63:
+                    raise DataError(f"{path}:{line_no}: key or offset outside the 64-bit range: {line.strip()!r}")
                 keys.append(key)
                 offsets.append(offset)
                 lines.append(line_no)
@@ -160,9 +160,39 @@ def _whole(x) -> bool:
     return bool(np.isfinite(x) and x >= 0 and x == int(x))
 
 
+# Pillow's decompression-bomb limit (it warns above, refuses twice this): a 9,459² image, 268 MB of RGB pixels
+DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
+MAX_IMAGE_PIXELS_VARIABLE = "JAXCLS_MAX_IMAGE_PIXELS"
+
+
+def max_image_pixels() -> int:
+    """The largest image (width × height, as its header states) any reader decodes: ``$JAXCLS_MAX_IMAGE_PIXELS``
+    when set (data worker processes inherit it), else ``DEFAULT_MAX_IMAGE_PIXELS``."""
+    value = os.environ.get(MAX_IMAGE_PIXELS_VARIABLE)
+    if value is None:
+        return DEFAULT_MAX_IMAGE_PIXELS
+    try:
+        limit = int(value)
+    except ValueError:
+        limit = 0
+    if limit <= 0:
+        raise ValueError(f"{MAX_IMAGE_PIXELS_VARIABLE}={value!r}: expected a positive number of pixels")
+    return limit
+
+
+def _check_pixels(width: int, height: int) -> None:
+    limit = max_image_pixels()
+    if width * height > limit:
+        raise ValueError(f"its header claims {width} × {height} = {width * height:,} pixels, more than the limit of "
+                         f"{limit:,} (a decompression bomb, or raise {MAX_IMAGE_PIXELS_VARIABLE}); not decoded")
+
+
 def decode_image(data: bytes, where="image", at_least: int = 0) -> np.ndarray:
     """Encoded image → uint8 ``[H, W, 3]`` RGB, exactly as Pillow decodes it; any damage found → ``DataError`` whose
     message starts with ``where`` (text, or a function giving it, called only then).
+
+    An image whose header claims more than ``max_image_pixels()`` pixels is refused before any pixel is decoded: a
+    small file can claim 65,535² pixels (12.8 GB of RGB).
 
     ``at_least > 0``: a JPEG whose sides are both at least twice that is decoded straight at 1/2, 1/4 or 1/8 scale
     (libjpeg's DCT scaling; the smallest scale keeping both sides ``>= at_least``, Pillow's ``draft`` rule), giving
@@ -192,12 +222,22 @@ def decode_image(data: bytes, where="image", at_least: int = 0) -> np.ndarray:
     try:
         if data[:2] == b"\xff\xd8":
             return _decode_jpeg(data, at_least)
-        with Image.open(io.BytesIO(data)) as img:
+        with _pillow_open(io.BytesIO(data)) as img:  # reads the header only
+            _check_pixels(*img.size)
             img.verify()
-        with Image.open(io.BytesIO(data)) as img:
+        with _pillow_open(io.BytesIO(data)) as img:
             return np.asarray(img.convert("RGB"))
     except Exception as e:  # Pillow raises many types on damaged data: every one is a bad image
         raise DataError(f"{_text(where)}: cannot decode image: {e}") from e
+
+
+def _pillow_open(stream: io.BytesIO) -> Image.Image:
+    """``Image.open``, whose own bomb check refuses twice ``PIL.Image.MAX_IMAGE_PIXELS`` before ours can look."""
+    try:
+        return Image.open(stream)
+    except Image.DecompressionBombError as e:
+        raise ValueError(f"{e} (Pillow's limit, twice PIL.Image.MAX_IMAGE_PIXELS: raise that too to read it); "
+                         "not decoded") from None
 
 
 _SOF = set(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # frame headers (0xC4 DHT, 0xC8 reserved, 0xCC DAC)
@@ -224,6 +264,7 @@ def _dct_scale(frame: _Frame, at_least: int) -> int:
 
 def _decode_jpeg(data: bytes, at_least: int) -> np.ndarray:
     frame = _jpeg_structure(data)
+    _check_pixels(frame.width, frame.height)
     if simplejpeg is None or frame.components not in (1, 3):  # CMYK / YCCK: Pillow's conversion
         return _pillow_jpeg(data, frame, at_least)
     f = _dct_scale(frame, at_least)
@@ -237,7 +278,7 @@ def _decode_jpeg(data: bytes, at_least: int) -> np.ndarray:
 
 def _pillow_jpeg(data: bytes, frame: _Frame, at_least: int) -> np.ndarray:
     if not frame.one_scan:
-        with Image.open(io.BytesIO(data)) as img:
+        with _pillow_open(io.BytesIO(data)) as img:
             if at_least:
                 img.draft("RGB", (at_least, at_least))
             return np.asarray(img.convert("RGB"))
@@ -245,7 +286,7 @@ def _pillow_jpeg(data: bytes, frame: _Frame, at_least: int) -> np.ndarray:
     # any bits past the scan. It gets the data in two reads, the first stopping one byte short of the scan's end:
     # finishing on that first read means the image used fewer bytes than the scan has.
     stream = io.BytesIO(data[:frame.scan_end] + _LOOKAHEAD)
-    with Image.open(stream) as img:
+    with _pillow_open(stream) as img:
         if at_least:
             img.draft("RGB", (at_least, at_least))
         img.decodermaxblock = frame.scan_end - 1
