@@ -1,4 +1,5 @@
-"""Fuzzing the readers: damaged ``.rec``/``.idx`` pairs and ``.bin`` files give the right data or a ``DataError``.
+"""Fuzzing the readers: damaged or crafted ``.rec``/``.idx`` pairs, ``.bin`` pickles, image headers and IJB meta
+files give the right data or a ``DataError`` naming the file; never another exception, a hang or a payload run.
 
 Neither format has checksums, so a changed byte inside a record's payload (its labels or image) or inside a ``.bin``
 image or pair flag may go unnoticed: there any well-formed result is allowed. A change anywhere else (chunk
@@ -7,10 +8,12 @@ naming the file and where in it; no other exception type, and no hang (every tes
 """
 
 import io
+import os
 import pickle
 import re
 import struct
 import tempfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from jaxcls.data.recordio import _MAGIC_BYTES, DataError, MXFaceDataset, decode_image, encode_record, pack
+from jaxcls.data.recordio import (_MAGIC_BYTES, DataError, MXFaceDataset, decode_image, encode_record,
+                                  max_image_pixels, pack)
 from jaxcls.eval.verification import load_bin
 
 # a deadline of 2 s per example: a reader that loops or reads a huge chunk length fails
@@ -186,3 +190,128 @@ def test_every_truncation_of_the_rec(cut):
     with tempfile.TemporaryDirectory() as d:
         check_every_key(write(Path(d), REC[:cut], IDX.encode()),
                         lambda ds, key, result: key in whole and same(result, EXPECTED[key]))
+
+
+# Pieces of pickles: well-formed calls of dangerous and of allowed globals in every spelling (GLOBAL, INST,
+# STACK_GLOBAL, through the memo), containers and values; a drawn sequence of them is mostly a well-formed pickle.
+MARKER = Path(tempfile.gettempdir()) / f"jaxcls-fuzz-marker-{os.getpid()}"
+_S = lambda text: b"\x8c" + bytes([len(text)]) + text + b"\x94"  # SHORT_BINUNICODE + MEMOIZE
+PICKLE_PIECES = [
+    b"cos\nsystem\n", b"cposix\nsystem\n", b"cbuiltins\nexec\n", b"c__builtin__\neval\n", b"csubprocess\ncall\n",
+    b"c__builtin__\nbytes\n", b"c_codecs\nencode\n", b"cbuiltins\nbytearray\n", _S(b"os") + _S(b"system") + b"\x93",
+    _S(b"builtins") + _S(b"bytes") + b"\x93", b"h\x00", b"h\x01", b"h\x02", b"\x93", b"(S'touch " +
+    str(MARKER).encode() + b"'\nios\nsystem\n", b"X\x0b\x00\x00\x00touch /tmp/" + b"\x85R", b"R", b"o", b"\x81",
+    b"(", b"t", b"\x85", b"\x86", b"]", b"e", b"a", b")", b"N", b"\x88", b"\x89", b"I01\n", b"U\x02\xff\xd8",
+    b"C\x03abc", b"X\x06\x00\x00\x00latin1", b"Q", b"\x82\x01", b"0", b"2", b"b", b"s", b"}", b"\x94",
+]
+
+
+@FUZZ
+@given(st.lists(st.sampled_from(PICKLE_PIECES) | st.binary(max_size=6), max_size=24),
+       st.sampled_from([b"", b"\x80\x02", b"\x80\x04", b"\x80\x05"]))
+def test_a_crafted_pickle_loads_or_is_refused_and_never_runs(pieces, header):
+    data = header + b"".join(pieces) + b"."
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "x.bin"
+        path.write_bytes(data)
+        try:
+            images, issame = load_bin(path, size=16)
+            assert images.shape == (2 * len(issame), 16, 16, 3)
+        except DataError as e:
+            assert str(e).startswith(str(path)), e
+    assert not MARKER.exists()
+
+
+@FUZZ
+@given(st.binary(max_size=512))
+def test_random_bytes_as_a_bin(data):
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "x.bin"
+        path.write_bytes(data)
+        with pytest.raises(DataError, match=f"^{re.escape(str(path))}"):
+            load_bin(path, size=16)
+
+
+def image_with_header(fmt, width, height):
+    """A 16×16 JPEG or PNG whose header says ``width × height``."""
+    buf = io.BytesIO()
+    Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(buf, fmt)
+    data = bytearray(buf.getvalue())
+    if fmt == "JPEG":
+        sof = data.index(b"\xff\xc0")
+        data[sof + 5:sof + 9] = struct.pack(">HH", height, width)
+    else:
+        data[16:24] = struct.pack(">II", width, height)
+        data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))
+    return bytes(data)
+
+
+@FUZZ
+@given(st.sampled_from(["JPEG", "PNG"]), st.integers(0, 65_535), st.integers(0, 65_535), st.integers(0, 400),
+       st.sampled_from([0, 16, 112]))
+def test_an_image_header_claiming_any_size_decodes_as_claimed_or_is_refused(fmt, width, height, cut, at_least):
+    data = image_with_header(fmt, width, height)
+    data = data[:len(data) - cut] if cut < len(data) else data
+    try:
+        image = decode_image(data, "x.img", at_least)
+    except DataError as e:
+        assert str(e).startswith("x.img: cannot decode image"), e
+        return
+    assert image.dtype == np.uint8 and image.shape[2] == 3 and image.shape[0] * image.shape[1] <= max_image_pixels()
+
+
+@FUZZ
+@given(st.lists(st.tuples(st.integers(-(1 << 70), 1 << 70) | st.integers(0, 8), st.integers(-(1 << 70), 1 << 70)
+                          | st.sampled_from(list(OFFSETS.values()))), min_size=1, max_size=6))
+def test_an_idx_with_any_numbers(entries):
+    idx = "".join(f"{key}\t{offset}\n" for key, offset in entries).encode()
+    with tempfile.TemporaryDirectory() as d:
+        check_every_key(write(Path(d), REC, idx), lambda ds, key, result: any(same(result, e) for e in
+                                                                             EXPECTED.values()))
+
+
+IJB_FIELD = (st.sampled_from(["1", "-3", "0", "nan", "inf", "-inf", "1e400", str(1 << 64), str(-(1 << 70)), "x.jpg",
+                              "0.5", "1.jpg", "", "\x00", "é"]) | st.integers(-(1 << 70), 1 << 70).map(str))
+
+
+IJB_META = {"name_5pts_score": "1.jpg" + " 1.5" * 10 + " 0.9\n2.jpg" + " 2.5" * 10 + " 0.8\n",
+            "face_tid_mid": "1.jpg 1 7\n2.jpg 2 8\n", "template_pair_label": "1 2 0\n"}
+
+
+def ijb_protocol(root: Path, name: str, data: bytes):
+    """``read_protocol`` of a valid two-face release whose meta file ``name`` is replaced by ``data``: a
+    ``Protocol`` whose every array is sound, or the ``DataError`` naming the meta file."""
+    from jaxcls.eval.ijb import read_protocol
+    (root / "meta").mkdir()
+    for file, text in IJB_META.items():
+        (root / "meta" / f"ijbc_{file}.txt").write_bytes(data if file == name else text.encode())
+    try:
+        protocol = read_protocol(root, "IJBC")
+    except DataError as e:
+        assert str(root / "meta") in str(e), e
+        return e
+    assert len(protocol.names) == len(protocol.scores) == len(protocol.templates) == 2
+    assert np.isfinite(protocol.landmarks).all() and np.isfinite(protocol.scores).all()
+    assert protocol.pairs.dtype == np.int64 and set(protocol.labels.tolist()) <= {0, 1}
+    return protocol
+
+
+@FUZZ
+@given(st.lists(st.lists(IJB_FIELD, min_size=0, max_size=13), max_size=5), st.sampled_from(list(IJB_META)),
+       st.binary(max_size=8))
+def test_ijb_meta_files_with_any_fields(lines, name, junk):
+    with tempfile.TemporaryDirectory() as d:
+        ijb_protocol(Path(d), name, "\n".join(" ".join(f) for f in lines).encode() + junk)
+
+
+@pytest.mark.parametrize("name, line, message", [
+    ("name_5pts_score", "1.jpg" + " 1.5" * 9 + " nan 0.9", r"\(line 1\): 'nan' is not a finite number"),
+    ("name_5pts_score", "1.jpg" + " 1.5" * 10 + " 1e400", r"\(line 1\): '1e400' is not a finite number"),
+    ("face_tid_mid", f"1.jpg {1 << 64} 7", r"\(line 1\): '18446744073709551616' is outside the 64-bit range"),
+    ("template_pair_label", f"1 {-(1 << 63) - 1} 0", r"\(line 1\): '-9223372036854775809' is outside the 64-bit"),
+    ("template_pair_label", "\xff\xfe", "not a text file"),
+])
+def test_ijb_meta_values_that_would_poison_the_arrays(tmp_path, name, line, message):
+    lines = IJB_META[name].splitlines()  # the first line replaced
+    error = ijb_protocol(tmp_path, name, "\n".join([line] + lines[1:]).encode("latin1"))
+    assert isinstance(error, DataError) and re.search(message, str(error)), error

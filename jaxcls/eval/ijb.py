@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +49,23 @@ class Protocol:
     labels: np.ndarray
 
 
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text!r} is not a finite number")
+    return value
+
+
+def _int64(text: str) -> int:
+    value = int(text)
+    if not -(1 << 63) <= value < 1 << 63:
+        raise ValueError(f"{text!r} is outside the 64-bit range of ids")
+    return value
+
+
+_FIELD = {float: _finite, int: _int64}  # how a column of each type is read: finite floats, 64-bit ids
+
+
 def _table(path: Path, types: tuple, kinds: str):
     """The whitespace-separated columns of ``path`` converted by ``types`` (one per column): rows of values, or for
     an all-int file (IJB-C's 15.7 M pairs) an int64 array read by numpy. Errors name the file and line."""
@@ -61,15 +79,19 @@ def _table(path: Path, types: tuple, kinds: str):
                 return _nonempty(table, path)
         except ValueError:
             pass  # read it line by line below, for an error that names the line
+    try:
+        lines = path.read_bytes().decode("utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not a text file ({e})") from None
     rows = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(lines, 1):
         fields = line.split()
         if not fields:
             continue
         if len(fields) != len(types):
             raise DataError(f"{path} (line {number}): {len(fields)} fields, expected {len(types)} ({kinds})")
         try:
-            rows.append([t(f) for t, f in zip(types, fields)])
+            rows.append([_FIELD.get(t, t)(f) for t, f in zip(types, fields)])
         except ValueError as e:
             raise DataError(f"{path} (line {number}): {e} ({kinds})") from e
     return _nonempty(np.array(rows, np.int64) if integers else rows, path)
