@@ -1,15 +1,22 @@
 """A run's backbone restored for inference: the chosen checkpoint, eval mode, batches padded over the devices."""
 
+import re
+import shlex
+import sys
+import tomllib
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
 
 from jaxcls.checkpoint import CheckpointError, RunCheckpoints
 from jaxcls.data.pipeline import normalize
-from jaxcls.inference import Embedder, OnnxEmbedder, open_embedder, restore_backbone
+from jaxcls.inference import INSTALL, Embedder, OnnxEmbedder, open_embedder, optional_import, restore_backbone
 from tiny import get_config, saved_run
 
 pytestmark = pytest.mark.slow  # compiles a run's initializer and its backbone
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_restore_picks_the_step_and_the_embedder_pads_batches_over_the_devices(tmp_path, rng):
@@ -51,3 +58,18 @@ def test_clear_errors(tmp_path):
               str(tmp_path / "flat.onnx"))
     with pytest.raises(ValueError, match=r"flat.onnx: input x has shape \['B', 8\], expected \[B, 3, S, S\]"):
         OnnxEmbedder(tmp_path / "flat.onnx")
+
+
+def test_a_missing_optional_package_names_the_command_that_installs_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "jax2onnx", None)  # import fails as if it were not installed
+    with pytest.raises(ImportError, match=re.escape(f"jax2onnx is not installed; install what export needs with: "
+                                                    f"{INSTALL['export']}")):
+        optional_import("jax2onnx", "export")
+    # the command installs the export extra's packages, then jax2onnx without its orbax pin, as README and CI do
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    first, second = INSTALL["export"].split(" && ")
+    assert sorted(shlex.split(first)[2:]) == sorted(project["optional-dependencies"]["export"])
+    assert second == "pip install --no-deps jax2onnx==0.17.1"
+    for file in ROOT / "README.md", ROOT / ".ci" / "run":
+        assert second.removeprefix("pip install ") in file.read_text(), file
+    assert INSTALL["plot"] == "pip install " + " ".join(project["optional-dependencies"]["plot"])
