@@ -3,6 +3,9 @@
 Compiled programs go to a persistent compilation cache shared by this run's pytest processes (the xdist
 workers and the subprocesses of CLI and benchmark tests), so the identical train steps, initializers and
 evaluators that many tests build compile once per run. The cache is deleted when the run ends.
+
+Random tests take a generator from the ``rng`` fixture, freshly seeded per test; the seed is printed and recorded in the
+test's report, and ``JAXCLS_TEST_SEED=<seed>`` gives every test that seed, to replay a failure.
 """
 
 import os
@@ -43,8 +46,9 @@ def pytest_sessionfinish(session):
 
 @pytest.fixture
 def rng(request):
-    """A generator with a fresh seed per test; the seed is in the test's report for replay."""
-    seed = int.from_bytes(os.urandom(4), "little")
+    """A generator with a fresh seed per test, or JAXCLS_TEST_SEED's when set; the seed is in the test's report for
+    replay."""
+    seed = int(os.environ.get("JAXCLS_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
     request.node.user_properties.append(("seed", seed))
     print(f"seed={seed}")
     return np.random.default_rng(seed)

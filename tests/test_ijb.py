@@ -1,5 +1,6 @@
 """IJB 1:1 verification end to end on a synthetic release in insightface's layout, against a reference written here."""
 
+import io
 import json
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import pytest
 from PIL import Image
 
 from jaxcls.config import base_config
-from jaxcls.data.align import ARCFACE_TEMPLATE, align_face
+from jaxcls.data.align import ARCFACE_TEMPLATE, align_face, similarity_transform, warp_affine
 from jaxcls.data.pipeline import normalize
 from jaxcls.data.recordio import DataError, MXFaceDataset
 from jaxcls.data.sources import ProceduralGlyphs
@@ -21,6 +22,8 @@ from test_align import rotation
 from test_recordio import GLYPHS
 from test_roc import reference_roc, reference_tar
 from tiny import saved_run
+
+JPEG_QUALITY = 95  # of the loose crops
 
 
 def glyph_faces(identities, per):
@@ -44,6 +47,23 @@ def loose_crop(face, rng):
     return picture, landmarks
 
 
+def misalignment(aligned, face, size, landmarks):
+    """How far ``aligned`` is from ``face`` made a ``size`` loose crop exactly where ``landmarks`` say (no noise) and
+    aligned back, in units of what a one-pixel shift of that reference costs: mean |diff| 8 px inside the border.
+
+    The reference goes through the same two bilinear resamplings and JPEG as the loose crop, so it blurs as the glyph
+    did; with exact landmarks the two are equal."""
+    matrix = similarity_transform(landmarks, ARCFACE_TEMPLATE)  # picture → crop: what PIL wants, output → input
+    picture = Image.fromarray(face).transform(size, Image.AFFINE, tuple(matrix.ravel()), Image.BILINEAR)
+    saved = io.BytesIO()
+    picture.save(saved, "JPEG", quality=JPEG_QUALITY)
+    reference = warp_affine(np.asarray(Image.open(saved)), matrix, 112).astype(float)
+    inner = reference[8:-8, 8:-8]
+    one_pixel = np.mean([np.abs(np.roll(reference, step, axis)[8:-8, 8:-8] - inner).mean()
+                         for axis in (0, 1) for step in (-1, 1)])
+    return np.abs(aligned[8:-8, 8:-8] - inner).mean() / one_pixel
+
+
 def write_release(root, rng, identities=5, per=5):
     """insightface's IJBC layout: faces in templates of 1–3 faces from 1–2 media; every template pair."""
     (root / "meta").mkdir(parents=True)
@@ -60,7 +80,7 @@ def write_release(root, rng, identities=5, per=5):
                 medium += int(rng.random() < 0.6)  # a new media, or another frame of the last one
                 picture, landmarks = loose_crop(images[order.pop()], rng)
                 name = f"{number}.jpg"
-                picture.save(root / "loose_crop" / name, quality=95)
+                picture.save(root / "loose_crop" / name, quality=JPEG_QUALITY)
                 faces.append(f"{name} " + " ".join(f"{v:.3f}" for v in landmarks.ravel()) +
                              f" {rng.uniform(0.5, 1):.4f}")
                 media.append(f"{name} {template} {medium}")
@@ -140,10 +160,16 @@ def test_ijb_end_to_end_equals_the_reference(tmp_path, rng):
     assert result["faces"] == 25 and result["pairs"] == len(scores) and "tar@far=1e-01" in tars
     assert {k: v for k, v in result.items() if k.startswith("tar@")} == pytest.approx(tars, abs=1e-12)
     assert result["auc"] == pytest.approx(area, abs=1e-9)
-    # alignment undoes the made-up picture: the aligned face is the glyph again (up to resampling, away from borders)
-    original = glyph_faces(5, 5)
-    first = int(protocol.names[0].split(".")[0])  # faces were written in order; the first is some image of identity 0
-    assert any(np.abs(ours[first - 1, 8:-8, 8:-8].astype(int) - face[8:-8, 8:-8]).mean() < 6 for face in original[0])
+    # alignment undoes the made-up picture: the first face written (one of identity 0's images) is its glyph again.
+    # Resampling twice blurs each glyph its own way (mean |diff| from the plain glyph up to 11 grey levels in 200
+    # draws, where a thin glyph shifted 2 px is 5.3 off), so `misalignment` compares with the glyph resampled and
+    # compressed alike and counts in one-pixel shifts: only the landmarks' ± 0.3 px noise is left. Over 2200 draws
+    # of loose_crop + align_face it reached 0.44 with the kanji glyphs, 0.60 with the procedural ones; wrong
+    # alignments (200 draws each) give ≥ 1.34 shifted 2 px, ≥ 1.0 with the landmarks all 2 px off, ≥ 2.4 mirrored,
+    # ≥ 3.7 for another identity's glyph. 0.8 sits between, a third above the largest right one
+    assert protocol.names[0] == "1.jpg"
+    size = Image.open(protocol.root / "loose_crop" / protocol.names[0]).size
+    assert min(misalignment(ours[0], face, size, protocol.landmarks[0]) for face in glyph_faces(5, 5)[0]) < 0.8
 
 
 def test_ijb_layout_errors_name_the_file_and_line(tmp_path, rng):
