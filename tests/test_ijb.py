@@ -213,3 +213,16 @@ def test_ijb_cli_stops_on_a_missing_face_naming_it(tmp_path, rng):
     done = subprocess.run([sys.executable, "-m", "jaxcls.eval.ijb", "--root", str(tmp_path), "--workdir",
                            str(tmp_path / "run")], capture_output=True, text=True, timeout=600)
     assert done.returncode == 1 and "loose_crop/2.jpg" in done.stderr and "No such file" in done.stderr, done.stderr
+
+
+def test_missing_and_unreadable_faces_are_all_reported_before_anything_is_embedded(tmp_path, rng, monkeypatch):
+    root = tmp_path / "IJBC"
+    write_release(root, rng, identities=2, per=3)
+    names = read_protocol(root, "IJBC").names
+    (root / "loose_crop" / names[1]).unlink()
+    (root / "loose_crop" / names[-1]).write_bytes(b"not an image at all")
+    monkeypatch.setattr("jaxcls.eval.ijb.open_embedder", lambda *a, **k: pytest.fail("embedding started"))
+    with pytest.raises(DataError, match=rf"^2 of the {len(names)} images the protocol names cannot be read \(nothing "
+                                        rf"was embedded\): \S*{names[1]}: \[Errno 2\] No such file.*; \S*{names[-1]}: "
+                                        r"cannot identify image file"):
+        run(root, "IJBC", onnx=tmp_path / "unused.onnx", progress=False)

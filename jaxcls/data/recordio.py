@@ -187,6 +187,17 @@ def _check_pixels(width: int, height: int) -> None:
                          f"{limit:,} (a decompression bomb, or raise {MAX_IMAGE_PIXELS_VARIABLE}); not decoded")
 
 
+def read_image_header(path: str | os.PathLike) -> tuple[int, int]:
+    """``(width, height)`` of the image file at ``path`` from its header alone (nothing decoded); an unreadable
+    header or more pixels than ``max_image_pixels()`` → ``DataError`` naming the file."""
+    try:
+        with open(path, "rb") as f, _pillow_open(f) as img:
+            _check_pixels(*img.size)
+            return img.size
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path}: {e}") from None
+
+
 def decode_image(data: bytes, where="image", at_least: int = 0) -> np.ndarray:
     """Encoded image → uint8 ``[H, W, 3]`` RGB, exactly as Pillow decodes it; any damage found → ``DataError`` whose
     message starts with ``where`` (text, or a function giving it, called only then).

@@ -1,4 +1,4 @@
-"""IJB-B / IJB-C 1:1 verification, insightface's protocol (``evaluation/IJB``) step for step.
+"""IJB-B / IJB-C 1:1 verification, insightface's protocol (``recognition/_evaluation_/ijb/``) step for step.
 
 ``python -m jaxcls.eval.ijb --root DIR --target IJBC (--workdir runs/x [--step N] | --onnx model.onnx)``
 
@@ -23,7 +23,7 @@ import numpy as np
 from absl import flags
 
 from jaxcls.data.align import align_face
-from jaxcls.data.recordio import DataError, decode_image
+from jaxcls.data.recordio import DataError, decode_image, read_image_header
 from jaxcls.embed import embed_images
 from jaxcls.eval.roc import far_key, roc_metrics, unmeasurable
 from jaxcls.eval.verification import l2_normalize
@@ -132,6 +132,22 @@ def read_protocol(root: str | Path, target: str) -> Protocol:
     return protocol
 
 
+def check_images(protocol: Protocol) -> None:
+    """Every face the protocol names is a file in ``loose_crop/`` whose image header reads (and is within the pixel
+    limit): checked before the embedding starts, which on IJB-C takes hours. ``DataError`` with the count and the
+    first problems."""
+    problems = []
+    for name in dict.fromkeys(protocol.names):
+        path = protocol.root / "loose_crop" / name
+        try:
+            read_image_header(path)
+        except DataError as e:
+            problems.append(str(e))
+    if problems:
+        raise DataError(f"{len(problems):,} of the {len(set(protocol.names)):,} images the protocol names cannot be "
+                        f"read (nothing was embedded): " + "; ".join(problems[:5]) + ("; …" if len(problems) > 5 else ""))
+
+
 def aligned_loader(root: Path, name: str, landmarks: np.ndarray, size: int):
     """``loader()`` → the aligned uint8 ``[size, size, 3]`` face of ``root/loose_crop/name``."""
     path = root / "loose_crop" / name
@@ -184,6 +200,7 @@ def run(root, target, *, workdir=None, onnx=None, step=None, out=None, flip=True
         detector_score=True, batch_size=256, progress=True) -> dict:
     """The CLI as a function: prints the table, writes ``out`` (JSON) and ``<out>.scores.npy``; returns the JSON."""
     protocol = read_protocol(root, target)
+    check_images(protocol)
     out = Path(out or (Path(workdir) if workdir else Path(onnx).parent) / f"ijb_{target.lower()}.json")
     out.parent.mkdir(parents=True, exist_ok=True)  # before the embedding, not after
     embedder = open_embedder(workdir, onnx, step)
