@@ -10,7 +10,9 @@ A pickle is a program: while it loads it may import and call any function (``os.
    ``allowed`` table. Any other global is refused here, before a single object is built, whether it sits at the top
    level or deep inside a list.
 2. The load, by an unpickler whose ``find_class`` gives out only ``allowed``'s functions (each of which checks its
-   own arguments) and whose ``persistent_load`` is the caller's or refuses.
+   own arguments), wrapped so that the pickle can call them but not change them, and whose ``persistent_load`` is
+   the caller's or refuses. Values in ``allowed`` that are not callable are handed out as they are: they must
+   refuse BUILD themselves (``__setstate__``) if they can be changed.
 """
 
 from __future__ import annotations
@@ -115,13 +117,30 @@ def _opcodes(data: bytes):
             return
 
 
+class _Guarded:
+    """An allowed function as the unpickler hands it out: callable (REDUCE), but nothing of it can be changed by
+    BUILD, which would otherwise set its attributes (``__defaults__``…) for the whole process."""
+
+    __slots__ = ("function",)
+
+    def __init__(self, function):
+        self.function = function
+
+    def __call__(self, *args):
+        return self.function(*args)
+
+    def __setstate__(self, state):
+        raise ValueError(f"the pickle sets attributes of {getattr(self.function, '__name__', 'a function')}")
+
+
 class _Unpickler(pickle.Unpickler):
     """Pass 2: ``find_class`` and ``persistent_load`` limited to what the caller allows."""
 
     def find_class(self, module, name):
         if (module, name) not in self.allowed:  # pass 1 saw every name already; kept as the rule itself
             raise _refuse(self.where, self.kind, f"{module}.{name}", self.allowed)
-        return self.allowed[module, name]
+        value = self.allowed[module, name]
+        return _Guarded(value) if callable(value) else value
 
     def persistent_load(self, pid):
         if self.handler is None:

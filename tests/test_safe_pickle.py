@@ -190,3 +190,13 @@ def test_the_glyphs_pairs_load_the_same_in_every_protocol(tmp_path):
         part, part_same = load_bin(tmp_path / "x.bin")
         np.testing.assert_array_equal(part, images[:200], err_msg=name)
         assert part_same.tolist() == list(flags[:100]), name
+
+
+def test_the_pickle_cannot_change_an_allowed_function():
+    # BUILD on _codecs.encode with the state (None, {'__defaults__': ('utf-8',)}) would set _latin1.__defaults__
+    # for the rest of the process
+    defaults = BIN_GLOBALS["_codecs", "encode"].__defaults__
+    build = b"\x80\x02c_codecs\nencode\nN}X\x0c\x00\x00\x00__defaults__X\x05\x00\x00\x00utf-8\x85s\x86b."
+    with pytest.raises(DataError, match="the pickle sets attributes of _latin1"):
+        restricted_loads(build, "f", BIN_GLOBALS)
+    assert BIN_GLOBALS["_codecs", "encode"].__defaults__ == defaults
