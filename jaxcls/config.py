@@ -58,6 +58,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh_data = 1  # size of the data axis; the class axis takes the remaining devices
     c.chunk_size = DEFAULT_CHUNK  # FC rows per tile of the fused FC step (0: one tile per shard)
     c.fc_dtype = "float32"  # storage of FC weight and its optimizer state
+    c.mem_fraction = 0.0  # share of each GPU's memory XLA may allocate (XLA_PYTHON_CLIENT_MEM_FRACTION), set before
+    # the backend starts; 0: the environment's XLA_PYTHON_CLIENT_MEM_FRACTION, else JAX's default 0.75
     # Optimization (arcface_torch defaults).
     c.optimizer = "sgd"  # sgd | adamw
     c.lr = 0.1
@@ -146,13 +148,13 @@ RANGES = [(key, rule, words) for keys, rule, words in [
     (("num_classes", "num_features", "batch_size", "accum_steps", "total_steps", "mesh_data", "eval_every",
       "eval_batch_size", "log_every", "ckpt_every", "keep_checkpoints", "max_bad_steps", "data.input_size",
       "data.threads", "loss_scale.growth_interval"), lambda v: v >= 1, ">= 1"),
-    (("collapse_warning",), lambda v: 0 <= v <= 1, "in [0, 1]"),
+    (("collapse_warning", "mem_fraction"), lambda v: 0 <= v <= 1, "in [0, 1]"),
 ] for key in keys] + [("data.augment." + name, rule, words) for name, rule, words in augment.RANGES]
 # keys that may differ when a run resumes: where and how it runs, what it reports; never the model, the data
 # stream or the optimization
 RESUMABLE_KEYS = {"mesh_data", "class_axes", "chunk_size", "remat", "data.root", "data.workers", "data.threads",
                   "data.bad_records", "eval_bins", "eval_every", "eval_batch_size", "log_every", "ckpt_every",
-                  "keep_checkpoints", "collapse_warning", "max_bad_steps"}
+                  "keep_checkpoints", "collapse_warning", "max_bad_steps", "mem_fraction"}
 
 
 def get_key(config, key: str):

@@ -16,11 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import typing
 
 import jax
 import numpy as np
 
 GiB = 2**30
+MEM_FRACTION_VARIABLE = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+DEFAULT_MEM_FRACTION = 0.75  # JAX's default share of a GPU
 STATE_PARTS = {  # state key -> the part it belongs to
     "weight": "FC weight", "fc_opt": "FC optimizer state", "params": "backbone parameters",
     "opt": "backbone optimizer state",
@@ -107,6 +111,24 @@ def step_memory(run, compiled=None) -> StepMemory:
     return StepMemory(parts, run.mesh.devices.flat[0].platform)
 
 
+def mem_fraction(config) -> float:
+    """The share of a GPU's memory XLA may allocate for a run of ``config``: ``config.mem_fraction``, else
+    ``$XLA_PYTHON_CLIENT_MEM_FRACTION``, else JAX's default 0.75."""
+    return float(config.mem_fraction or os.environ.get(MEM_FRACTION_VARIABLE, DEFAULT_MEM_FRACTION))
+
+
+def apply_mem_fraction(config) -> None:
+    """Give XLA ``config.mem_fraction`` of each GPU (when set): ``XLA_PYTHON_CLIENT_MEM_FRACTION``, which JAX reads
+    when its GPU backend starts, so call this first. A different value already in the environment is an error."""
+    if not config.mem_fraction:
+        return
+    current = os.environ.get(MEM_FRACTION_VARIABLE)
+    if current is not None and float(current) != config.mem_fraction:
+        raise ValueError(f"config.mem_fraction={config.mem_fraction:g} but the environment has "
+                         f"{MEM_FRACTION_VARIABLE}={current}: set one of them")
+    os.environ[MEM_FRACTION_VARIABLE] = str(config.mem_fraction)
+
+
 def device_limit(devices) -> int | None:
     """The smallest ``memory_stats()["bytes_limit"]`` of ``devices`` (what XLA may allocate), None if unknown
     (a CPU reports none)."""
@@ -123,8 +145,8 @@ def check_fits(memory: StepMemory, devices, advice: str = "") -> str | None:
             f"the train step needs {format_bytes(memory.total)} per device, more than the {format_bytes(limit)} "
             f"XLA may allocate on {devices[0].device_kind}",
             [*memory.table(limit), "lower batch_size or sample_rate (PartialFC), set fc_dtype=bfloat16 or "
-             "remat=full, or add devices; XLA_PYTHON_CLIENT_MEM_FRACTION raises JAX's share of the device (default "
-             "0.75)" + advice])
+             "remat=full, or add devices; config.mem_fraction raises XLA's share of the device (default 0.75)"
+             + advice])
     return None if limit is None else (f"train step: {format_bytes(memory.total)} per device of the "
                                        f"{format_bytes(limit)} XLA may allocate ({memory.total / limit:.0%})")
 
@@ -137,7 +159,17 @@ def fit_classes(memory_at, probes: tuple[int, int]) -> tuple[float, float]:
     return m1 - slope * c1, slope
 
 
-def max_classes_that_fit(memory_at, limit: int, shards: int, rows: int = 2**20) -> tuple[int, StepMemory]:
+class ClassFit(typing.NamedTuple):
+    """The largest class count that fits, its step's memory, and the affine fit it was solved from (bytes per device
+    ≈ ``fixed + per_class · num_classes``)."""
+
+    classes: int
+    memory: StepMemory
+    fixed: float
+    per_class: float
+
+
+def max_classes_that_fit(memory_at, limit: int, shards: int, rows: int = 2**20) -> ClassFit:
     """The largest ``num_classes`` (a multiple of ``shards``) whose step fits in ``limit`` bytes per device, and
     its memory: solved from ``fit_classes`` at ``rows`` and ``2 · rows`` FC rows per device (enough that PartialFC
     samples full tiles, so every part that grows with C is a per-row array), confirmed by a third compile and
@@ -148,4 +180,4 @@ def max_classes_that_fit(memory_at, limit: int, shards: int, rows: int = 2**20) 
     if memory.total > limit:
         classes -= -(-int((memory.total - limit) / b) // shards) * shards
         memory = memory_at(classes)
-    return classes, memory
+    return ClassFit(classes, memory, a, b)

@@ -1,30 +1,36 @@
-"""Will a config fit? ``python -m jaxcls.plan --config configs/<x>.py [--config.key=value] --devices 8
-[--device-memory 80GiB] [--max-classes]``
+"""Will a config fit? ``python -m jaxcls.plan --config configs/<x>.py [--config.key=value] [--target h100]
+[--devices 8] [--device-memory 80GiB] [--max-classes] [--json plan.json]``
 
-Compiles the config's real train step for a mesh of ``--devices`` simulated CPU devices (the state and the batch
-as ``jax.ShapeDtypeStruct``: nothing is allocated, no data is read) and prints the bytes per device by part, the
-total against the memory JAX may use on the device, and a verdict. ``--max-classes`` reports the largest
-``num_classes`` that fits (bytes are affine in the class count: two compiles and a solve, a third to confirm).
+Compiles the config's real train step (the state and the batch as ``jax.ShapeDtypeStruct``: nothing is allocated,
+no data is read) and prints the bytes per device by part, the total against the memory XLA may use on the device
+(``config.mem_fraction`` of it) and a verdict. ``--max-classes`` reports the largest ``num_classes`` that fits
+(bytes are affine in the class count: two compiles and a solve, a third to confirm).
 
-The FC, parameter, optimizer and input parts are array shapes: the same on every backend. Activations and
-temporaries are what XLA:CPU's buffer assignment needs; ``cpu_caveats`` names where a GPU differs.
+``--target h100`` (``h200``, ``a100-80gb``) compiles with XLA:GPU for ``--devices`` compile-only GPUs of that model
+(``jaxcls.gpu_target``; needs JAX's CUDA plugin, not a GPU): the numbers are XLA:GPU's own, short only of
+autotuning. ``--target cpu`` (the default) compiles with XLA:CPU for ``--devices`` simulated CPU devices: the FC,
+parameter, optimizer and input parts are array shapes, the same on every backend, but activations and temporaries
+are XLA:CPU's, which ``cpu_caveats`` says overstate a GPU's.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import os
 
 import jax
 from absl import flags
 
+from jaxcls import gpu_target
 from jaxcls.config import define_config_flag
-from jaxcls.memory import format_bytes, max_classes_that_fit, parse_bytes, step_memory
+from jaxcls.memory import StepMemory, format_bytes, max_classes_that_fit, mem_fraction, parse_bytes, step_memory
 from jaxcls.mesh import class_shards
 from jaxcls.reporting import configure_logging, run_cli
 from jaxcls.run import build
 
-DEFAULT_MEM_FRACTION = 0.75  # JAX's default share of a GPU (XLA_PYTHON_CLIENT_MEM_FRACTION)
+TARGETS = ("cpu", *gpu_target.TARGETS)
 
 
 def simulate_cpu_devices(count: int) -> None:
@@ -38,10 +44,17 @@ def simulate_cpu_devices(count: int) -> None:
                            f"{count}: run the planner in a fresh process")
 
 
-def usable_bytes(device_memory: int, fraction: float | None = None) -> int:
-    """The share of ``device_memory`` JAX allocates from: ``$XLA_PYTHON_CLIENT_MEM_FRACTION`` (default 0.75)."""
-    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_MEM_FRACTION)) \
-        if fraction is None else fraction
+def target_devices(target: str, count: int) -> list:
+    """``count`` devices to compile for: simulated CPU devices, or compile-only GPUs of ``target``. JAX runs on
+    the CPU platform either way (no GPU driver is needed), so call this before anything starts a backend."""
+    if target == "cpu":
+        simulate_cpu_devices(count)
+        return jax.devices()[:count]
+    jax.config.update("jax_platforms", "cpu")
+    return gpu_target.gpu_devices(target, count)
+
+
+def usable_bytes(device_memory: int, fraction: float) -> int:
     return int(device_memory * fraction)
 
 
@@ -52,12 +65,11 @@ def cpu_caveats(config, run) -> list[str]:
         rows = run.trainer.head.rows // class_shards(run.mesh, run.trainer.head.class_axes)
         notes.append(f"{config.fc_dtype} FC state: XLA:CPU copies the 16-bit FC arrays to update them (one or two "
                      f"arrays per step, measured: up to {format_bytes(2 * rows * config.num_features * 2)} of the "
-                     "temporaries here); a GPU updates the rows in place (derived, not measured on a GPU)")
+                     "temporaries here); XLA:GPU updates the rows in place (--target h100 shows it)")
     if config.precision != "float32":
         notes.append(f"{config.precision} compute: XLA:CPU runs 16-bit convolutions in float32, so its activations "
-                     "are about float32-sized (r50: 13 GiB per 128 images); a GPU keeps 16-bit activations and "
-                     "fuses more, so the GPU's activations are smaller (benchmarks/planner.py measures the "
-                     "ratio on a GPU; docs/benchmarks.md)")
+                     "are about float32-sized (r50: 13 GiB per 128 images); XLA:GPU keeps 16-bit activations and "
+                     "fuses more (--target h100: 3.9 GiB)")
     return notes
 
 
@@ -65,52 +77,111 @@ def verdict(total: int, usable: int, device_memory: int) -> str:
     if total <= usable:
         return f"fits: {format_bytes(total)} of {format_bytes(usable)} usable ({format_bytes(usable - total)} spare)"
     if total <= device_memory * 0.95:
-        return (f"does not fit in JAX's default share ({format_bytes(usable)}); it would with "
-                f"XLA_PYTHON_CLIENT_MEM_FRACTION={min(0.95, total / device_memory + 0.02):.2f}")
+        return (f"does not fit in the share XLA may use ({format_bytes(usable)}); it would with "
+                f"--config.mem_fraction={min(0.95, total / device_memory + 0.02):.2f}")
     return f"does not fit: {format_bytes(total)} > {format_bytes(usable)} usable"
 
 
-def plan(config, devices: int, device_memory: int, max_classes: bool = False) -> list[str]:
-    """The planner's report as lines (``jax`` must already have ``devices`` CPU devices)."""
+@dataclasses.dataclass
+class Plan:
+    """One planner run: where it compiled, the step's bytes per device, and (``--max-classes``) the class count
+    that fits with the affine fit ``fixed + per_class · num_classes`` it came from."""
 
-    def build_run(num_classes=None):
+    target: str
+    device_kind: str
+    devices: int
+    hosts: int
+    compiler: str
+    device_memory: int
+    mem_fraction: float
+    memory: StepMemory
+    summary: list
+    notes: list
+    fixed: float | None = None
+    per_class: float | None = None
+    max_classes: int | None = None
+    max_classes_total: int | None = None
+
+    @property
+    def usable(self) -> int:
+        return usable_bytes(self.device_memory, self.mem_fraction)
+
+    def lines(self) -> list[str]:
+        where = f"{self.devices} × {self.device_kind}" + (f" on {self.hosts} hosts" if self.hosts > 1 else "")
+        lines = [*self.summary[:3], f"compiled by {self.compiler} for {where}; bytes per device:",
+                 *self.memory.table(), f"device memory {format_bytes(self.device_memory)}; XLA may use "
+                 f"{self.mem_fraction:.0%} of it ({format_bytes(self.usable)}, config.mem_fraction)",
+                 "verdict: " + verdict(self.memory.total, self.usable, self.device_memory)]
+        if self.max_classes is not None:
+            lines.append(f"largest num_classes that fits: {self.max_classes:,} ({format_bytes(self.max_classes_total)}"
+                         f" per device; {format_bytes(self.fixed)} + {self.per_class:,.0f} B per class)")
+        return lines + [f"note: {n}" for n in self.notes]
+
+    def to_json(self) -> dict:
+        return {"target": self.target, "device_kind": self.device_kind, "devices": self.devices, "hosts": self.hosts,
+                "compiler": self.compiler, "device_memory": self.device_memory, "mem_fraction": self.mem_fraction,
+                "usable_bytes": self.usable, "parts": self.memory.parts, "total_bytes": self.memory.total,
+                "fits": self.memory.total <= self.usable, "fixed_bytes": self.fixed,
+                "bytes_per_class": self.per_class, "max_classes": self.max_classes,
+                "max_classes_total_bytes": self.max_classes_total, "summary": self.summary, "notes": self.notes}
+
+
+def plan(config, devices: list, device_memory: int, max_classes: bool = False, target: str = "cpu") -> Plan:
+    """Compile ``config``'s step for ``devices`` (``target_devices``) and size it against ``device_memory``."""
+    options = None if target == "cpu" else gpu_target.COMPILE_OPTIONS
+
+    def memory_at(num_classes=None):
         c = config.copy_and_resolve_references()
         c.num_classes = config.num_classes if num_classes is None else num_classes
-        return build(c, jax.devices()[:devices], with_data=False)
+        run = build(c, devices, with_data=False)
+        return run, step_memory(run, run.compile_step(run.abstract_state, options))
 
-    run, usable = build_run(), usable_bytes(device_memory)
-    memory = step_memory(run)
-    lines = [*run.summary()[:3], f"compiled by XLA:CPU for {devices} simulated devices; bytes per device:",
-             *memory.table(), f"device memory {format_bytes(device_memory)}; JAX allocates "
-             f"{usable / device_memory:.0%} of it ({format_bytes(usable)}, XLA_PYTHON_CLIENT_MEM_FRACTION)",
-             "verdict: " + verdict(memory.total, usable, device_memory)]
+    run, memory = memory_at()
+    if target == "cpu":
+        compiler, notes = f"XLA:CPU (jaxlib {jax.lib.__version__}, simulated devices)", cpu_caveats(config, run)
+    else:
+        compiler = gpu_target.compiler() + ", compile-only"
+        notes = [f"compile-only: nothing was autotuned (cuDNN algorithms, GEMM tiles); a compile on the GPU may "
+                 f"need up to ~{gpu_target.AUTOTUNING_MARGIN:.0%} more temporaries"]
+    result = Plan(target, devices[0].device_kind, len(devices), len({d.process_index for d in devices}), compiler,
+                  device_memory, mem_fraction(config), memory, run.summary(), notes)
     if max_classes:
         shards = class_shards(run.mesh, run.trainer.head.class_axes)
         rows = max(2**20, math.ceil(2 * config.chunk_size / config.sample_rate))  # PartialFC samples full tiles
-        classes, best = max_classes_that_fit(lambda c: step_memory(build_run(c)), usable, shards, rows)
-        lines.append(f"largest num_classes that fits: {classes:,} ({format_bytes(best.total)} per device, "
-                     f"{classes // shards:,} FC rows per device)")
-    return lines + [f"note: {n}" for n in cpu_caveats(config, run)]
+        fit = max_classes_that_fit(lambda c: memory_at(c)[1], result.usable, shards, rows)
+        result.max_classes, result.max_classes_total = fit.classes, fit.memory.total
+        result.fixed, result.per_class = fit.fixed, fit.per_class
+    return result
 
 
 def main(argv):
     if len(argv) > 1:
         raise ValueError(f"unexpected arguments {argv[1:]}")
     f = flags.FLAGS
-    if f["devices"].value < 1:
-        raise ValueError(f"--devices must be >= 1, got {f['devices'].value}")
-    device_memory = parse_bytes(f["device-memory"].value)
+    count, target = f["devices"].value, f["target"].value
+    if count < 1:
+        raise ValueError(f"--devices must be >= 1, got {count}")
+    device_memory = (parse_bytes(f["device-memory"].value) if f["device-memory"].value
+                     else gpu_target.device_memory(target) if target != "cpu" else parse_bytes("80GiB"))
     configure_logging(verbose=f["verbosity"].present)
-    simulate_cpu_devices(f["devices"].value)
-    lines = plan(f.config, f["devices"].value, device_memory, f["max-classes"].value)
-    print("\n".join(lines))
+    result = plan(f.config, target_devices(target, count), device_memory, f["max-classes"].value, target)
+    print("\n".join(result.lines()))
+    if f["json"].value:
+        with open(f["json"].value, "w") as out:
+            json.dump(result.to_json(), out, indent=1)
+        print(f"wrote {f['json'].value}")
 
 
 def define_flags():
     define_config_flag()
-    flags.DEFINE_integer("devices", 8, "devices the run will have (simulated here as CPU devices)")
-    flags.DEFINE_string("device-memory", "80GiB", "memory of one device, e.g. 80GiB, 24GB, 40GiB")
+    flags.DEFINE_enum("target", "cpu", TARGETS, "compile with XLA:CPU for simulated devices, or with XLA:GPU for "
+                      "this GPU (needs JAX's CUDA plugin: pip install -e '.[plan-gpu]'; no GPU)")
+    flags.DEFINE_integer("devices", 8, f"devices the run will have (GPUs: at most {gpu_target.GPUS_PER_HOST} on "
+                         f"one host, else hosts of {gpu_target.GPUS_PER_HOST})")
+    flags.DEFINE_string("device-memory", None, "memory of one device, e.g. 80GiB, 24GB (default: the GPU target's, "
+                        "80GiB for cpu)")
     flags.DEFINE_bool("max-classes", False, "also find the largest num_classes that fits")
+    flags.DEFINE_string("json", None, "also write the plan as JSON to this path")
 
 
 if __name__ == "__main__":

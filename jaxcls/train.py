@@ -27,7 +27,7 @@ from jaxcls.data.pipeline import device_batch
 from jaxcls.eval.evaluator import Evaluator
 from jaxcls.interrupts import Preempted, StopRequests
 from jaxcls.losses import validate_labels
-from jaxcls.memory import check_fits, step_memory
+from jaxcls.memory import apply_mem_fraction, check_fits, step_memory
 from jaxcls.mesh import batch_sharding
 from jaxcls.precision import all_finite
 from jaxcls.reporting import MetricsWriter, Progress, configure_logging, log, run_cli
@@ -230,8 +230,9 @@ def main(argv):
     if len(argv) > 1:
         raise ValueError(f"unexpected arguments {argv[1:]}")
     configure_logging(verbose=flags.FLAGS["verbosity"].present)
-    distributed.initialize_from_flags()
     f = flags.FLAGS
+    apply_mem_fraction(f.config)  # before JAX starts a GPU backend
+    distributed.initialize_from_flags()
     _, final = train(f.config, f.workdir, stop_after=f.stop_after, init_from=f.init_from, init_fc=f.init_fc)
     accuracies = ", ".join(f"{k.split('/')[1]} {v:.2%} ± {final[k + '_std']:.2%}"
                            for k, v in final.items() if k.endswith("/accuracy"))

@@ -47,7 +47,8 @@ def test_bytes_are_affine_in_the_class_count_and_max_classes_is_the_largest_that
     row = 2 * 32 * 4  # weight + momentum, float32, D = 32
     assert 0 < a and row <= b * 8 <= row + 32  # and PartialFC's sampling: a few 4-byte values per row
     limit = int(a + b * 8 * 3_000_000)
-    classes, fitting = max_classes_that_fit(memory_at, limit, shards=8)  # the same probes, then a third count
+    classes, fitting, fixed, per_class = max_classes_that_fit(memory_at, limit, shards=8)  # a third compile
+    assert (fixed, per_class) == (a, b)  # from the same probes
     assert fitting.total == pytest.approx(a + b * classes, rel=1e-4)  # affine beyond the probes (a third compile)
     assert classes % 8 == 0 and fitting.total <= limit
     # the largest: 8 more classes (a row more per device) would not fit; 1 KiB for alignment off the line

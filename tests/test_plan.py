@@ -1,46 +1,61 @@
 """The planner: its report, verdicts, the largest class count, the command line."""
 
+import json
+import os
 import subprocess
 import sys
 
+import jax
 import pytest
 from tiny import get_config
 
-from jaxcls.memory import GiB, StepMemory
 from jaxcls import plan as plan_module
-from jaxcls.plan import cpu_caveats, plan, usable_bytes, verdict
+from jaxcls.memory import GiB, ClassFit, StepMemory, apply_mem_fraction, mem_fraction
+from jaxcls.plan import cpu_caveats, plan, verdict
 from jaxcls.run import build
 
 
 @pytest.mark.slow
-def test_plan_reports_parts_verdict_and_the_largest_class_count_that_fits(monkeypatch):
+def test_plan_reports_parts_verdict_and_the_largest_class_count_that_fits(monkeypatch, tmp_path):
     calls = []
 
     def solved(memory_at, limit, shards, rows):  # the solve itself: tests/test_memory.py
         calls.append((limit, shards, rows))
-        return 123_456, StepMemory({"FC weight": GiB}, "cpu")
+        return ClassFit(123_456, StepMemory({"FC weight": GiB}, "cpu"), 0.5 * GiB, 4096.0)
 
     monkeypatch.setattr(plan_module, "max_classes_that_fit", solved)
-    lines = plan(get_config(sample_rate=0.25, chunk_size=2**19), devices=4, device_memory=2 * GiB, max_classes=True)
-    text = "\n".join(lines)
-    assert "compiled by XLA:CPU for 4 simulated devices" in text and "class=4" in text
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    result = plan(get_config(sample_rate=0.25, chunk_size=2**19), jax.devices()[:4], 2 * GiB, max_classes=True)
+    text = "\n".join(result.lines())
+    assert "compiled by XLA:CPU (jaxlib" in text and "for 4 × cpu" in text and "class=4" in text
     assert "FC weight" in text and "activations and temporaries" in text and "total per device" in text
     assert "verdict: fits:" in text and "of 1.50 GiB usable" in text  # JAX's default 75%
     assert calls == [(int(1.5 * GiB), 4, 2**22)]  # rows: PartialFC 0.25 samples two full tiles of 2**19
-    assert "largest num_classes that fits: 123,456 (1.00 GiB per device" in text and "30,864 FC rows per device" in text
+    assert "largest num_classes that fits: 123,456 (1.00 GiB per device; 512.00 MiB + 4,096 B per class)" in text
+    saved = json.loads(json.dumps(result.to_json()))
+    assert saved["target"] == "cpu" and saved["devices"] == 4 and saved["device_memory"] == 2 * GiB
+    assert saved["usable_bytes"] == int(1.5 * GiB) and saved["mem_fraction"] == 0.75 and saved["fits"] is True
+    assert saved["parts"] == result.memory.parts and saved["total_bytes"] == result.memory.total
+    assert (saved["max_classes"], saved["bytes_per_class"], saved["fixed_bytes"]) == (123_456, 4096.0, 0.5 * GiB)
 
 
 def test_verdicts():
     assert verdict(50 * GiB, 60 * GiB, 80 * GiB).startswith("fits: 50.00 GiB of 60.00 GiB usable (10.00 GiB spare)")
-    assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.87" in verdict(68 * GiB, 60 * GiB, 80 * GiB)
+    assert "--config.mem_fraction=0.87" in verdict(68 * GiB, 60 * GiB, 80 * GiB)
     assert verdict(79 * GiB, 60 * GiB, 80 * GiB).startswith("does not fit: 79.00 GiB > 60.00 GiB")
 
 
-def test_usable_bytes_follows_jax_memory_fraction(monkeypatch):
+def test_the_memory_fraction_is_the_configs_else_the_environments_else_jaxs(monkeypatch):
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
-    assert usable_bytes(80 * GiB) == 60 * GiB
+    assert mem_fraction(get_config()) == 0.75
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", ".9")
-    assert usable_bytes(80 * GiB) == 72 * GiB
+    assert mem_fraction(get_config()) == 0.9 and mem_fraction(get_config(mem_fraction=0.95)) == 0.95
+    with pytest.raises(ValueError, match="config.mem_fraction=0.95 but the environment has "
+                                         "XLA_PYTHON_CLIENT_MEM_FRACTION=.9: set one of them"):
+        apply_mem_fraction(get_config(mem_fraction=0.95))
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    apply_mem_fraction(get_config(mem_fraction=0.95))
+    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.95"
 
 
 def test_cpu_caveats_name_16_bit_fc_state_and_compute():

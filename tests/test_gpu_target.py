@@ -1,0 +1,117 @@
+"""The train step as XLA:GPU compiles it for 8 H100s (compile-only devices, no GPU): the FC update in place, no
+collective that grows with the class count, cuDNN convolutions in the compute dtype, the planner's bytes equal to
+``memory_analysis()``; the planner's command line on a GPU target. Needs JAX's CUDA plugin (CI installs it)."""
+
+import functools
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from jaxcls import gpu_target
+from jaxcls.hlo import collectives
+from jaxcls.memory import step_memory
+from jaxcls.run import build
+from tiny import get_config
+
+needs_plugin = pytest.mark.skipif(
+    importlib.util.find_spec("jax_plugins") is None
+    or not any(importlib.util.find_spec(p) for p in gpu_target.PLUGINS),
+    reason=f"JAX's CUDA plugin is not installed: {gpu_target.install_command()}")
+ROWS = (2**12, 2**13)  # FC rows per device of the two compiles
+D = 32  # tiny.py's embedding size
+
+
+@functools.cache
+def compiled_at(rows: int):
+    """``(run, compiled step)`` of the tiny config, bfloat16 compute and FC state, PartialFC 0.5, on 8 H100s."""
+    config = get_config(num_classes=8 * rows, sample_rate=0.5, chunk_size=1024, precision="bfloat16",
+                        fc_dtype="bfloat16", mesh_data=2)
+    run = build(config, gpu_target.gpu_devices("h100", 8), with_data=False)
+    return run, run.compile_step(run.abstract_state, gpu_target.COMPILE_OPTIONS)
+
+
+@pytest.mark.slow
+@needs_plugin
+def test_the_fc_update_is_in_place_and_no_collective_grows_with_the_classes():
+    (small_run, small), (big_run, big) = compiled_at(ROWS[0]), compiled_at(ROWS[1])
+    assert big_run.mesh.devices.flat[0].device_kind == "NVIDIA H100 80GB HBM3"
+    more_rows = ROWS[1] - ROWS[0]
+    grown = step_memory(big_run, big).parts["FC weight"] - step_memory(small_run, small).parts["FC weight"]
+    assert grown == more_rows * D * 2  # bfloat16 rows
+    # the bfloat16 weight and momentum are updated in place: the temporaries hold no FC-sized copy (XLA:CPU's do,
+    # 2 × 64 B per row here); what grows is a few bytes per row of PartialFC's sampling
+    extra = big.memory_analysis().temp_size_in_bytes - small.memory_analysis().temp_size_in_bytes
+    assert 0 <= extra <= 4 * more_rows, extra
+    ops = [collectives(c.as_text()) for c in (small, big)]
+    assert ops[0] == ops[1] and len(ops[0]) >= 4  # every collective the same size at twice the classes
+    assert {c.op for c in ops[0]} >= {"all-gather", "all-reduce"}
+    assert all(c.groups for c in ops[0])  # XLA:GPU's mesh form of replica groups read
+
+
+@pytest.mark.slow
+@needs_plugin
+def test_convolutions_are_cudnn_calls_in_the_compute_dtype():
+    hlo = compiled_at(ROWS[0])[1].as_text()
+    convolutions = [line for line in hlo.splitlines() if 'custom_call_target="__cudnn$conv' in line]
+    assert len(convolutions) >= 3 * 20  # forward, input and filter gradients of every convolution of an r18
+    dtype = dict(re.findall(r"^\s*(?:ROOT )?(%[\w.\-]+) = \(?(\w+)\[", hlo, re.MULTILINE))  # of each result
+    for line in convolutions:
+        name, operands = re.search(r"(%[\w.\-]+) = .*? custom-call\((.*?)\), window", line).groups()
+        assert [dtype[name]] + [dtype[o] for o in operands.split(", ")] == ["bf16"] * 3, line
+    assert not re.search(r"= \S+ convolution\(", hlo)  # none left to XLA's own (slow) convolution emitter
+
+
+@pytest.mark.slow
+@needs_plugin
+def test_the_plans_bytes_are_xla_gpus_memory_analysis():
+    run, compiled = compiled_at(ROWS[0])
+    memory, stats = step_memory(run, compiled), compiled.memory_analysis()
+    assert memory.platform == "gpu"
+    assert memory.total == (stats.argument_size_in_bytes + stats.temp_size_in_bytes + stats.output_size_in_bytes
+                            - stats.alias_size_in_bytes)
+
+
+@pytest.mark.slow
+@needs_plugin
+def test_the_planner_on_a_gpu_target(tmp_path):
+    out = tmp_path / "plan.json"
+    proc = subprocess.run([sys.executable, "-m", "jaxcls.plan", "--config", "tests/tiny.py", "--target", "h100",
+                           "--devices", "16", "--config.batch_size=64", "--json", str(out)], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "compiled by XLA:GPU (CUDA plugin " in proc.stdout and "for 16 × NVIDIA H100 80GB HBM3 on 2 hosts" in proc.stdout
+    assert "compile-only: nothing was autotuned" in proc.stdout
+    plan = json.loads(out.read_text())
+    assert plan["device_memory"] == 84_942_979_072 and plan["usable_bytes"] == int(0.75 * 84_942_979_072)
+    assert plan["hosts"] == 2 and plan["devices"] == 16 and plan["total_bytes"] == sum(plan["parts"].values())
+
+
+@needs_plugin
+def test_fields_this_jaxlib_does_not_know_are_dropped(monkeypatch):
+    text = gpu_target.target_config("a100-80gb")
+    newer = text.replace("  core_count: 108\n", "  core_count: 108\n  a_field_from_the_future: 7\n"
+                         "  another_one {\n    x: 1\n  }\n")
+    monkeypatch.setattr(gpu_target, "target_config", lambda name: newer)
+    devices = gpu_target.gpu_devices("a100-80gb", 2)
+    assert len(devices) == 2 and devices[0].device_kind == "NVIDIA A100-SXM4-80GB"
+
+
+def test_a_missing_plugin_says_how_to_install_it(monkeypatch):
+    monkeypatch.setattr(gpu_target, "PLUGINS", ("jax_plugins.not_a_plugin",))
+    with pytest.raises(gpu_target.MissingPlugin, match=re.escape(
+            f"pip install 'jax-cuda12-plugin=={jax.__version__}' 'jax-cuda12-pjrt=={jax.__version__}' "
+            "nvidia-cuda-nvcc-cu12")):
+        gpu_target.gpu_devices("h100", 1)
+
+
+def test_targets_and_their_memory():
+    assert gpu_target.device_memory("h100") == 84_942_979_072 and gpu_target.device_memory("h200") > 140 * 2**30
+    with pytest.raises(ValueError, match="unknown GPU target 'h800'; choose one of h100, h200, a100-80gb"):
+        gpu_target.target_config("h800")
+    with pytest.raises(ValueError, match="12 GPUs: give at most 8 .* or a multiple of 8"):
+        gpu_target.gpu_devices("h100", 12)
