@@ -24,6 +24,9 @@ _OP = re.compile(r"=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
 _EXPLICIT_GROUPS = re.compile(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{[0-9,]*\},?)*)\}")
+# XLA's mesh form: replica_groups=mesh['a'=2,'b'=4] {'b'} (optionally ", device_ids=(…)" after the axes, and
+# sub-axes 'b':(pre)size in the braces): devices in one group differ only along the axes in braces
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\((.*?)\))? \{([^}]*)\}")
 
 
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
@@ -86,15 +89,48 @@ def _int_lists(text: str) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(int(v) for v in group.split(",") if v) for group in re.findall(r"\{([0-9,]*)\}", text))
 
 
+def _iota(shape: list[int], dims: list[int], perm: list[int] | None) -> np.ndarray:
+    """XLA's iota tile assignment ``[shape]<=[dims]T(perm)``: iota(dims), transposed by ``perm``, reshaped."""
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    return (ids.transpose(perm) if perm else ids).reshape(shape)
+
+
+def _ints(text: str | None) -> list[int] | None:
+    return [int(v) for v in text.split(",") if v] if text else None
+
+
+def _mesh_groups(axes: str, device_ids: str | None, grouped: str) -> tuple[tuple[int, ...], ...]:
+    """Groups of the mesh form: ``axes`` ``'name'=size,…``, ``device_ids`` the mesh's ids (iota when absent),
+    ``grouped`` the axes (or sub-axes ``'name':(pre)size``) that vary within a group."""
+    names, sizes = zip(*((name, int(size)) for name, size in re.findall(r"'([^']*)'=(\d+)", axes)))
+    if device_ids is None:
+        ids = np.arange(math.prod(sizes)).reshape(sizes)
+    elif match := re.fullmatch(r"\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", device_ids.strip()):
+        ids = _iota(list(sizes), _ints(match.group(2)), _ints(match.group(3)))
+    else:
+        ids = np.array(_ints(re.sub(r"[^0-9,]", "", device_ids))).reshape(sizes)
+    # per mesh axis, the part of a coordinate that varies within a group: (pre, size) of coordinate // pre % size
+    varying = {names.index(n): (int(pre or 1), int(size) if size else sizes[names.index(n)])
+               for n, pre, size in re.findall(r"'([^']*)'(?::\((\d+)\)(\d+))?", grouped)}
+    groups = {}
+    for coordinate in np.ndindex(*sizes):
+        key = tuple(c - (c // varying[a][0] % varying[a][1]) * varying[a][0] if a in varying else c
+                    for a, c in enumerate(coordinate))
+        groups.setdefault(key, []).append(int(ids[coordinate]))
+    return tuple(tuple(g) for g in groups.values())
+
+
 def _groups(line: str) -> tuple[tuple[int, ...], ...]:
+    """A collective's device groups; ``()`` for ``replica_groups={}`` (every device one group)."""
+    if match := _MESH_GROUPS.search(line):
+        return _mesh_groups(*match.groups())
     if match := _IOTA_GROUPS.search(line):  # [G,S]<=[dims]T(perm): iota(dims), transposed, reshaped to G × S
-        shape, dims = [int(v) for v in match.group(1).split(",")], [int(v) for v in match.group(2).split(",")]
-        ids = np.arange(math.prod(dims)).reshape(dims)
-        if match.group(3):
-            ids = ids.transpose([int(v) for v in match.group(3).split(",")])
-        return tuple(tuple(int(i) for i in row) for row in ids.reshape(shape))
+        ids = _iota(_ints(match.group(1)), _ints(match.group(2)), _ints(match.group(3)))
+        return tuple(tuple(int(i) for i in row) for row in ids)
     if match := _EXPLICIT_GROUPS.search(line):
         return tuple(g for g in _int_lists(match.group(1)) if g)
+    if "replica_groups=" in line:
+        raise ValueError(f"unrecognised replica_groups syntax in: {line.strip()[:200]}")
     return ()
 
 
@@ -150,3 +186,77 @@ def cross_host_bytes(c: Collective, hosts: Sequence[int]) -> list[int]:
             else:  # all-to-all
                 received[host] += g * (k - g) * n // k
     return received
+
+
+class Kernel(NamedTuple):
+    """One instruction that the GPU runs as its own kernel (or library call): ``kind`` (``KERNEL_KINDS``), its
+    name, the dtype and bytes of its (first) result, how many times one run executes it, and for library calls
+    what was called (cuDNN target and layout)."""
+
+    kind: str
+    name: str
+    dtype: str
+    result_bytes: int
+    count: int
+    detail: str = ""
+
+
+KERNEL_KINDS = ("cuDNN convolution", "GEMM", "fusion", "copy/transpose", "collective", "sort", "other")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\([^=]*?\)|\S+)\s+([\w\-]+)\(")
+_NOT_KERNELS = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "conditional", "call",
+                "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency", "copy-start",
+                "copy-done", "send-done", "recv-done"}
+_SCHEDULED = re.compile(r"\b(body|condition|branch_computations|true_computation|false_computation)="
+                        r"(\{[^}]*\}|%?[\w.\-]+)")
+
+
+def _scheduled(bodies: dict[str, list[str]], entry: str | None) -> list[str]:
+    """The computations whose instructions run as kernels: the entry and the bodies of its loops and branches
+    (not fusion bodies or reducers)."""
+    seen, todo = [], [entry] if entry else list(bodies)
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in bodies:
+            continue
+        seen.append(name)
+        for line in bodies[name]:
+            for _, called in _SCHEDULED.findall(line):
+                todo += re.findall(r"[\w.\-]+", called)
+    return seen
+
+
+def _kernel_kind(op: str, name: str, line: str) -> str:
+    if op == "custom-call":
+        target = re.search(r'custom_call_target="([^"]*)"', line)
+        target = target.group(1) if target else ""
+        return ("cuDNN convolution" if target.startswith("__cudnn$conv") else
+                "GEMM" if "gemm" in target or "matmul" in target or "cublas" in target else
+                "sort" if "sort" in target.lower() else "other")
+    if op == "fusion":
+        if re.search(r'"kind":"(__triton_gemm|__triton_nested_gemm_fusion|__cudnn\$fusion|__cublas)', line):
+            return "GEMM"
+        return "copy/transpose" if re.search(r"transpose|^copy", name) else "fusion"
+    if op.removesuffix("-start") in COLLECTIVES:
+        return "collective"
+    return {"copy": "copy/transpose", "transpose": "copy/transpose", "sort": "sort"}.get(op, "other")
+
+
+def kernels(hlo_text: str) -> list[Kernel]:
+    """Every kernel of a compiled GPU program's HLO text (instructions of the scheduled computations that launch
+    work; control flow, tuples, bitcasts and async ``-done`` halves left out), with its execution count."""
+    bodies, entry = _computations(hlo_text)
+    executions = _executions(bodies, entry)
+    found = []
+    for computation in _scheduled(bodies, entry):
+        for line in bodies[computation]:
+            match = _INSTRUCTION.match(line)
+            if not match or match.group(3) in _NOT_KERNELS or match.group(3).endswith("-done"):
+                continue
+            name, shape, op = match.groups()
+            dtype, dims = (_SHAPE.findall(shape) or [("", "")])[0]
+            size = math.prod(int(d) for d in dims.split(",") if d) * _BYTES.get(dtype, 0)
+            detail = " ".join(m.group(1) for m in (re.search(r'custom_call_target="([^"]*)"', line),
+                                                    re.search(r"dim_labels=([^,]+)", line)) if m)
+            found.append(Kernel(_kernel_kind(op, name, line), name, dtype, size, executions.get(computation, 1),
+                                detail))
+    return found

@@ -18,6 +18,18 @@ HLO = """
 """
 
 
+def test_xla_gpus_mesh_form_of_replica_groups():
+    line = "%ar = f32[8]{0} all-reduce-start(f32[8]{0} %x), channel_id=5, replica_groups=mesh['a'=2,'b'=4] {AXES}, x"
+    groups = {axes: collectives(line.replace("AXES", axes))[0].groups for axes in ("'b'", "'a'", "'a','b'", "'b':(2)2")}
+    assert groups == {"'b'": ((0, 1, 2, 3), (4, 5, 6, 7)), "'a'": ((0, 4), (1, 5), (2, 6), (3, 7)),
+                      "'a','b'": ((0, 1, 2, 3, 4, 5, 6, 7),),
+                      "'b':(2)2": ((0, 2), (1, 3), (4, 6), (5, 7))}  # b // 2 % 2 varies: b = 0, 2 and 1, 3
+    permuted = line.replace("] {", "], device_ids=([2,4]<=[4,2]T(1,0)) {").replace("AXES", "'b'")
+    assert collectives(permuted)[0].groups == ((0, 2, 4, 6), (1, 3, 5, 7))
+    with pytest.raises(ValueError, match="unrecognised replica_groups syntax"):
+        collectives(line.replace("mesh[", "grid[").replace("AXES", "'b'"))
+
+
 def test_parses_ops_sizes_and_both_group_syntaxes():
     ag, ar, rs, cp = collectives(HLO)
     assert ag == Collective("all-gather", 64 * 32, 64 * 32 * 4, ((0, 1, 2, 3), (4, 5, 6, 7)))
