@@ -9,6 +9,7 @@ test's report, and ``JAXCLS_TEST_SEED=<seed>`` gives every test that seed, to re
 """
 
 import os
+import re
 import shutil
 import tempfile
 
@@ -37,6 +38,14 @@ os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [
     os.environ.get("PYTHONWARNINGS"), "ignore:Error reading persistent compilation cache entry:UserWarning"]))
 
 MESH_SHAPES = [(1, 8), (2, 4), (4, 2), (8, 1)]
+# JAX's CUDA plugin (installed for tests/test_gpu_target.py) logs these lines to stderr whenever a process imports jax
+# on a machine without a GPU, JAX_PLATFORMS=cpu or not; tests that read a command's output line by line drop them
+_PLUGIN_LOG = re.compile(r"^(WARNING: All log messages before absl::InitializeLog\(\) is called are written to "
+                         r"STDERR|[IWEF]\d{4} \S+ +\d+ cudart_stub\.cc:\d+\] .*)\n?", re.MULTILINE)
+
+
+def without_plugin_log(text: str) -> str:
+    return _PLUGIN_LOG.sub("", text)
 
 
 def pytest_sessionfinish(session):
