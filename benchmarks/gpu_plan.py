@@ -1,0 +1,105 @@
+"""XLA:GPU's bytes per device for the face recipes on H100s, compiled here without a GPU (``jaxcls.gpu_target``).
+
+Each row compiles the real train step (112×112, 512-d ArcFace, bfloat16 compute, SGD with momentum) at 1M and 2M FC
+rows per GPU; bytes per device are affine in the class count, so the two give the fixed bytes, the bytes per class
+and the largest class count at JAX's default 75% of the GPU and at 95% (``--config.mem_fraction=0.95``).
+``python -m jaxcls.plan --target h100 --max-classes`` confirms one such count with a third compile.
+
+    python benchmarks/gpu_plan.py                      # the whole grid: 64 rows, 1–5 min each on 2 CPU cores
+    python benchmarks/gpu_plan.py --only model=r50     # the rows of one model (or batch=, fc_dtype=, rate=, gpus=)
+    python benchmarks/gpu_plan.py --small              # a narrow r18 on one GPU: what the tests run
+
+Batch sizes are per GPU (arcface_torch's convention): the global batch is ``batch × gpus``. Each row runs in a
+fresh process. Needs JAX's CUDA plugin (``pip install -e '.[plan-gpu]'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only GPUs: no CUDA driver is needed, none is started
+
+from common import print_table, write_json  # noqa: E402
+
+GRID = list(itertools.product(("r50", "r100", "mbf", "vit_t"), (128, 512), ("float32", "bfloat16"), (1.0, 0.1),
+                              (1, 8)))
+COLUMNS = ["model", "batch", "fc_dtype", "rate", "gpus", "fixed_GiB", "bytes_per_class", "max_classes_75",
+           "max_classes_95", "compile_s"]
+
+
+def step_config(model, batch, fc_dtype, rate, gpus, small):
+    from jaxcls.config import face_config
+
+    c = face_config(root="/not/read", num_classes=10**6, num_images=10**7, epochs=1, model=model, batch=batch * gpus,
+                    sample_rate=rate)
+    c.data.kind, c.fc_dtype = "synthetic", fc_dtype
+    if small:
+        c.data.input_size, c.model_kwargs, c.num_features = 32, dict(width=8), 32
+    return c
+
+
+def row(spec, target, small) -> dict:
+    from jaxcls import gpu_target
+    from jaxcls.memory import fit_classes, step_memory
+    from jaxcls.mesh import class_shards
+    from jaxcls.plan import target_devices
+    from jaxcls.run import build
+
+    model, batch, fc_dtype, rate, gpus = spec
+    devices, config = target_devices(target, gpus), step_config(*spec, small)
+    start = time.perf_counter()
+
+    compiled = {}
+
+    def memory_at(classes):
+        config.num_classes = classes
+        run = build(config, devices, with_data=False)
+        compiled[classes] = step_memory(run, run.compile_step(run.abstract_state, gpu_target.COMPILE_OPTIONS))
+        return compiled[classes]
+
+    shards = class_shards(build(config, devices, with_data=False).mesh, config.class_axes)
+    rows = 2**12 if small else 2**20
+    fixed, per_class = fit_classes(memory_at, (shards * rows, shards * 2 * rows))
+    memory = gpu_target.device_memory(target)
+    fits = {share: int((memory * share / 100 - fixed) / per_class) // shards * shards for share in (75, 95)}
+    return {"model": model, "batch": batch, "fc_dtype": fc_dtype, "rate": rate, "gpus": gpus,
+            "fixed_GiB": fixed / 2**30, "bytes_per_class": per_class, "max_classes_75": fits[75],
+            "max_classes_95": fits[95], "compile_s": (time.perf_counter() - start) / 2, "target": target,
+            "parts_at_2_rows": compiled[shards * 2 * rows].parts}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="h100")
+    parser.add_argument("--small", action="store_true")
+    parser.add_argument("--only", action="append", default=[], help="KEY=VALUE: rows whose KEY is VALUE")
+    parser.add_argument("--out", default="benchmarks/results/gpu_plan.json")
+    parser.add_argument("--row", default=None, help=argparse.SUPPRESS)  # one row's spec as JSON, printed as JSON
+    args = parser.parse_args()
+    if args.row is not None:
+        return print(json.dumps(row(tuple(json.loads(args.row)), args.target, args.small)))
+    grid = [("r18", 32, "bfloat16", 0.5, 1)] if args.small else GRID
+    keys = ["model", "batch", "fc_dtype", "rate", "gpus"]
+    for condition in args.only:
+        key, value = condition.split("=", 1)
+        grid = [spec for spec in grid if str(spec[keys.index(key)]) == value]
+    rows = []
+    for spec in grid:
+        cmd = [sys.executable, __file__, "--row", json.dumps(spec), "--target", args.target] + ["--small"] * args.small
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode:
+            sys.exit(f"row {spec} failed:\n{proc.stderr[-3000:]}")
+        rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        print_table(rows[-1:], COLUMNS)
+    print_table(rows, COLUMNS)
+    write_json(args.out, rows)
+
+
+if __name__ == "__main__":
+    main()
