@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.slow,  # compiles and converts whole backbones
 onnx = pytest.importorskip("onnx", reason="the export extra is not installed: pip install -e '.[export]'")
 
 BACKBONES = {  # narrow versions of each family, at the deployed 112×112 input (r50 is r18's blocks, deeper)
-    "r18": ("r18", dict(width=16)),
+    "r18": ("r18", dict(width=16, dropout=0.2)),  # dropout: arcface_torch's r-models train with it
     "mbf": ("mbf", {}),
     "vit_t": ("vit_t", {}),
 }
@@ -68,12 +68,35 @@ def check_interface(path, step, model, size, features):
                 any(a.name == "to" and a.i in other_floats for a in n.attribute)]
 
 
+def check_insightface_accepts(path, features):
+    """What insightface's own loaders check before they use a model (``onnx_helper.ArcFaceORT.check`` of
+    arcface_torch's onnx_ijbc.py, ``model_zoo.ArcFaceONNX``): one 4-d input of 112×112 with a symbolic batch, one
+    output of at most 512 dimensions, a graph of at least 8 nodes, every initializer at least 4 bytes an element,
+    and the input normalisation they infer from the first 8 nodes' names (Sub and Mul there would mean "raw pixels,
+    normalised in the graph") being (x − 127.5) / 127.5, the deployed convention. Nothing from training (Dropout)."""
+    proto = onnx.load(str(path))
+    (inp,), outputs = proto.graph.input, proto.graph.output
+    dims = [d.dim_param or d.dim_value for d in inp.type.tensor_type.shape.dim]
+    assert len(dims) == 4 and isinstance(dims[0], str) and tuple(dims[2:4][::-1]) == (112, 112)
+    assert len(outputs) == 1 and 0 < outputs[0].type.tensor_type.shape.dim[1].dim_value == features <= 512
+    assert len(proto.graph.node) >= 8
+    small = [(t.name, onnx.numpy_helper.to_array(t).dtype) for t in proto.graph.initializer
+             if onnx.numpy_helper.to_array(t).dtype.itemsize < 4]
+    assert not small, f"insightface refuses initializers of fewer than 4 bytes an element: {small}"
+    first = [n.name for n in proto.graph.node[:8]]
+    assert not (any(n.startswith(("Sub", "_minus")) for n in first) and any(n.startswith(("Mul", "_mul")) for n in first))
+    assert not [n.op_type for n in proto.graph.node if n.op_type in ("Dropout", "BatchNormalization") and
+                any(a.name == "training_mode" and a.i for a in n.attribute)]
+    assert "Dropout" not in {n.op_type for n in proto.graph.node}
+
+
 @needs_glyphs
 @pytest.mark.parametrize("name", sorted(BACKBONES))
 def test_onnx_and_jax_export_embed_glyphs_as_the_backbone(name, tmp_path, rng):
     saved_run(tmp_path / "run", backbone_config(name), rng)
     export_run(tmp_path / "run", onnx=tmp_path / "m.onnx", jax_export=tmp_path / "m.jaxexport")
     check_interface(tmp_path / "m.onnx", 1, BACKBONES[name][0], 112, 64)
+    check_insightface_accepts(tmp_path / "m.onnx", 64)
     model, _, _ = restore_backbone(tmp_path / "run")
     images = glyph_images(7)
     want = np.asarray(jax.jit(lambda x: model(normalize(x)))(images), np.float64)

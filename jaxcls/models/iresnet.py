@@ -69,5 +69,7 @@ class IResNet(nnx.Module):
         for first, rest in zip(self.firsts, self.rests):
             x = remat_call(first, x, self.remat)
             x = x if rest is None else rest(x)
-        x = self.dropout(self.bn2(x).reshape(x.shape[0], -1))
+        x = self.bn2(x).reshape(x.shape[0], -1)
+        if not self.dropout.deterministic and self.dropout.rate > 0:  # in eval mode not even traced: an export
+            x = self.dropout(x)  # would hold a Dropout node (ONNX: with a bool initializer insightface refuses)
         return self.features(self.fc(x.astype(jnp.float32)))
