@@ -1,4 +1,5 @@
-"""PyTorch ``.pth`` state dicts (insightface arcface_torch's ``backbone.pth``) read without torch, running nothing.
+"""PyTorch ``.pth`` state dicts (insightface arcface_torch's ``backbone.pth``) read without torch, running nothing,
+and written without torch (``save_pth``).
 
 ``torch.save`` writes one of two layouts:
 
@@ -25,7 +26,9 @@ import io
 import math
 import os
 import pickletools
+import struct
 import zipfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import ml_dtypes
@@ -353,3 +356,102 @@ def _copy(flat: np.ndarray, tensor: _Tensor) -> np.ndarray:
     view = np.lib.stride_tricks.as_strided(flat[tensor.offset:], tensor.size,
                                            [s * flat.itemsize for s in tensor.stride], writeable=False)
     return np.array(view, order="C")
+
+
+_STORAGES = {np.dtype(np.float32): "FloatStorage", np.dtype(np.float16): "HalfStorage",
+             np.dtype(np.float64): "DoubleStorage", np.dtype(np.int64): "LongStorage", np.dtype(np.int32): "IntStorage",
+             np.dtype(np.uint8): "ByteStorage", np.dtype(np.bool_): "BoolStorage"}
+_ALIGNMENT = 64  # torch.save starts every storage at a multiple of 64 bytes in the file
+
+
+class _Pickle:
+    """The few pickle (protocol 2) opcodes ``torch.save`` writes for a state dict, emitted directly: the torch globals
+    it names need not exist in this process."""
+
+    def __init__(self):
+        self.out = io.BytesIO()
+        self.out.write(b"\x80\x02")
+
+    def op(self, code: bytes):
+        self.out.write(code)
+
+    def glob(self, module: str, name: str):
+        self.out.write(b"c" + module.encode() + b"\n" + name.encode() + b"\n")
+
+    def text(self, value: str):
+        data = value.encode("utf-8")
+        self.out.write(b"X" + struct.pack("<I", len(data)) + data)
+
+    def int(self, value: int):
+        if 0 <= value < 256:
+            self.out.write(b"K" + bytes([value]))
+        elif -2**31 <= value < 2**31:
+            self.out.write(b"J" + struct.pack("<i", value))
+        else:
+            data = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
+            self.out.write(b"\x8a" + bytes([len(data)]) + data)
+
+    def ints(self, values):
+        self.op(b"(")
+        for v in values:
+            self.int(v)
+        self.op(b"t")
+
+
+def _state_dict_pickle(state: dict[str, np.ndarray]) -> bytes:
+    """``data.pkl`` of ``torch.save(OrderedDict(state))``: tensor ``i`` in storage ``str(i)``, C-contiguous."""
+    p = _Pickle()
+    p.glob("collections", "OrderedDict")
+    p.op(b")R(")  # OrderedDict(), MARK for SETITEMS
+    for i, (key, array) in enumerate(state.items()):
+        p.text(key)
+        p.glob("torch._utils", "_rebuild_tensor_v2")
+        p.op(b"((")  # MARK args, MARK persistent id
+        p.text("storage")
+        p.glob("torch", _STORAGES[array.dtype])
+        p.text(str(i))
+        p.text("cpu")
+        p.int(array.size)
+        p.op(b"tQ")  # the persistent id tuple, BINPERSID
+        p.int(0)  # storage offset
+        p.ints(array.shape)
+        p.ints([s // array.itemsize for s in array.strides])
+        p.op(b"\x89")  # requires_grad False
+        p.glob("collections", "OrderedDict")
+        p.op(b")Rt")  # backward hooks OrderedDict(); the argument tuple
+        p.op(b"R")  # _rebuild_tensor_v2(*args)
+    p.op(b"u.")  # SETITEMS, STOP
+    return p.out.getvalue()
+
+
+def save_pth(path: str | os.PathLike, state: Mapping[str, np.ndarray]) -> None:
+    """Write ``state`` (name → array of float32/16/64, int64/32, uint8 or bool) as ``torch.save`` does: a zip of
+    ``archive/data.pkl``, ``archive/data/<i>`` (each array's little-endian bytes, stored uncompressed, 64-byte
+    aligned), ``archive/byteorder`` and ``archive/version``. ``torch.load(path, weights_only=True)`` reads it as an
+    ``OrderedDict`` of CPU tensors. Written to ``path``.tmp, then renamed."""
+    arrays = {}
+    for key, value in state.items():
+        array = np.asarray(value)
+        array = array.astype(array.dtype.newbyteorder("<"), order="C", copy=not array.flags.c_contiguous)
+        if array.dtype not in _STORAGES:
+            raise ValueError(f"{key}: cannot write {array.dtype} tensors (only {', '.join(map(str, _STORAGES))})")
+        arrays[key] = array
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+            def record(name: str, data: bytes):
+                info = zipfile.ZipInfo(f"archive/{name}", date_time=(1980, 1, 1, 0, 0, 0))
+                start = archive.fp.tell() + 30 + len(info.filename.encode())  # where the data would begin
+                pad = -(start + 4) % _ALIGNMENT  # an extra field (id "FB", as torch's) pushes it to the alignment
+                info.extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
+                archive.writestr(info, data)
+
+            record("data.pkl", _state_dict_pickle(arrays))
+            record("byteorder", b"little")
+            for i, array in enumerate(arrays.values()):
+                record(f"data/{i}", array.tobytes())
+            record("version", b"3\n")
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from jaxcls.data.recordio import DataError
 from jaxcls.safe_pickle import RefusedPickle
 from jaxcls import torch_pth
-from jaxcls.torch_pth import load_state_dict
+from jaxcls.torch_pth import load_state_dict, save_pth
 
 FORMATS = ("zip", "legacy")
 INSIGHTFACE = Path(__file__).resolve().parents[2] / "shared" / "bench" / "insightface"
@@ -459,3 +459,24 @@ def test_damaged_files_give_the_data_or_a_data_error(originals, tmp_path, layout
         assert list(got) == list(expected)
         for name, array in expected.items():
             np.testing.assert_array_equal(got[name], array)
+
+
+def test_save_pth_writes_what_torch_loads(torch, tmp_path):
+    rng = np.random.default_rng(0)
+    state = {"w": rng.normal(size=(3, 4)).astype(np.float32), "t": rng.normal(size=(4, 3)).astype(np.float32).T,
+             "n": np.array(7, np.int64), "h": np.arange(5, dtype=np.float16), "d": np.zeros((2, 0, 3)),
+             "b": np.array([True, False]), "u": np.arange(3, dtype=np.uint8), "i": np.arange(-2, 2, dtype=np.int32),
+             "naïve.ключ": np.float32([1, 2]), "big-endian": np.arange(3, dtype=">f4")}
+    save_pth(tmp_path / "m.pth", state)
+    loaded = torch.load(tmp_path / "m.pth", weights_only=True)
+    assert list(loaded) == list(state)
+    for key, value in state.items():
+        assert loaded[key].numpy().dtype == value.dtype.newbyteorder("=") and np.array_equal(loaded[key], value), key
+    ours = load_state_dict(tmp_path / "m.pth")
+    assert all(np.array_equal(ours[k], v) and ours[k].dtype == v.dtype.newbyteorder("=") for k, v in state.items())
+    with zipfile.ZipFile(tmp_path / "m.pth") as archive:  # storages aligned as torch.save aligns them
+        for info in archive.infolist():
+            if "/data/" in info.filename:
+                assert (info.header_offset + 30 + len(info.filename) + len(info.extra)) % 64 == 0
+    with pytest.raises(ValueError, match="complex64"):
+        save_pth(tmp_path / "c.pth", {"c": np.zeros(2, np.complex64)})

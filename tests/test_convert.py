@@ -1,0 +1,320 @@
+"""arcface_torch backbones into jaxcls and back (``jaxcls.convert``): checked against insightface's own PyTorch code.
+
+Each model is built in PyTorch with random weights, random BatchNorm affine parameters and running statistics and
+random PReLU slopes, converted, and its jaxcls embeddings of real (glyph) images compared with PyTorch's, in float32,
+with arcface_torch's input convention (RGB, (x/255 − 0.5)/0.5, NCHW 112×112).
+"""
+
+import functools
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxcls.checkpoint import CheckpointError
+from jaxcls.convert import (ARCFACE_MODELS, arcface_name, import_torch, jaxcls_to_torch, run_config, torch_keys,
+                            torch_to_jaxcls, write_run)
+from jaxcls.data.recordio import DataError
+from jaxcls.inference import Embedder, deployed, deployed_input, restore_backbone
+from jaxcls.torch_pth import load_state_dict, save_pth
+
+torch = pytest.importorskip("torch", reason="torch is needed to check the conversion against insightface's models")
+
+INSIGHTFACE = Path(__file__).resolve().parents[2] / "shared" / "bench" / "insightface"
+pytestmark = [pytest.mark.filterwarnings("ignore:`torch.cuda.amp.autocast:FutureWarning"),  # insightface's code
+              pytest.mark.skipif(not (INSIGHTFACE / "backbones" / "__init__.py").is_file(),
+                                 reason=f"insightface's arcface_torch backbones not found at {INSIGHTFACE}/backbones")]
+GLYPHS = Path(__file__).resolve().parents[2] / "shared" / "data" / "glyphs"
+COSINE, RELATIVE = 0.99999, 2e-5  # per embedding, float32
+
+
+@functools.cache
+def insightface():
+    """insightface's ``backbones`` package (``get_model``), imported under a name of its own."""
+    spec = importlib.util.spec_from_file_location("insightface_backbones", INSIGHTFACE / "backbones" / "__init__.py",
+                                                  submodule_search_locations=[str(INSIGHTFACE / "backbones")])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    torch.set_num_threads(1)  # pytest runs two workers on two cores; two threads each wait on each other
+    return module
+
+
+@functools.cache
+def images(n: int = 4) -> np.ndarray:
+    """``n`` real 112×112 RGB uint8 images: glyph photos, or procedural glyphs where the data set is absent."""
+    if (GLYPHS / "train.rec").exists():
+        from jaxcls.data.recordio import MXFaceDataset
+        data = MXFaceDataset(GLYPHS)
+        return np.stack([data[i * 997 % len(data)][0] for i in range(n)])
+    from jaxcls.data.sources import ProceduralGlyphs
+    return np.stack([ProceduralGlyphs(size=112).image(i, 0) for i in range(n)])
+
+
+def torch_model(name: str, seed: int = 0, calibration_images: int = 2):
+    """insightface's ``name`` in eval mode with random weights and random BatchNorm and PReLU values.
+
+    The running statistics are those of a batch of real images (so that activations keep their scale through
+    200 layers; the embedding BatchNorm1d's variances their mean over the features), then randomly scaled
+    (var × U(0.5, 2)) and shifted (mean + 0.1 σ N(0, 1)); BatchNorm weights
+    U(0.5, 1.5) but the IResNet's frozen ``features.weight`` (1), biases N(0, 0.1), PReLU slopes U(0, 0.5),
+    ``num_batches_tracked`` 123."""
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = insightface().get_model(name)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+                m.momentum = None  # cumulative average: the calibration batch's statistics
+                m.reset_running_stats()
+        model.train()
+        model(torch.from_numpy(deployed_input(images(calibration_images))))
+        model.eval()
+        for m in model.modules():
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+                m.momentum = 0.1
+                if isinstance(m, torch.nn.BatchNorm1d):  # the embedding's: a variance over a few images is no
+                    m.running_var.fill_(m.running_var.mean())  # estimate (some tiny ones would blow float noise up)
+                m.running_var.mul_(torch.empty(m.running_var.shape).uniform_(0.5, 2, generator=g))
+                m.running_mean.add_(0.1 * torch.randn(m.running_mean.shape, generator=g) * m.running_var.sqrt())
+                if m.weight.requires_grad:  # arcface_torch's IResNet freezes features.weight at 1
+                    m.weight.uniform_(0.5, 1.5, generator=g)
+                m.bias.normal_(0, 0.1, generator=g)
+                m.num_batches_tracked.fill_(123)
+            elif isinstance(m, torch.nn.PReLU):
+                m.weight.uniform_(0, 0.5, generator=g)
+    return model
+
+
+def torch_embed(model, n: int) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.from_numpy(deployed_input(images(n)))).numpy()
+
+
+def numpy_state(model) -> dict:
+    return {k: v.numpy().copy() for k, v in model.state_dict().items()}
+
+
+@functools.cache
+def embed_fn(graphdef):
+    """``f(state, NCHW images) -> embeddings`` for models of ``graphdef``, compiled once per architecture."""
+    return jax.jit(lambda state, x: deployed(nnx.merge(graphdef, state))(x))
+
+
+def jax_embed(model, n: int) -> np.ndarray:
+    """The embeddings of ``images(n)`` by ``deployed(model)``."""
+    graphdef, state = nnx.split(model)
+    return np.asarray(embed_fn(graphdef)(state, deployed_input(images(n))))
+
+
+def agreement(got, want):
+    """(the lowest cosine, the largest max |got − want| / max |want|) over the embeddings (rows)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    cosine = np.sum(got * want, 1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+    return cosine.min(), np.max(np.abs(got - want).max(1) / np.abs(want).max(1))
+
+
+def check_agreement(name, got, want):
+    cosine, relative = agreement(got, want)
+    print(f"{name}: min cosine {cosine:.9f}, max relative error {relative:.2e}")
+    assert cosine >= COSINE and relative <= RELATIVE, (name, cosine, relative)
+
+
+# the deepest models embed fewer images (PyTorch and XLA on two shared CPU cores), and run their blocks in a loop (as
+# under remat: same variables, one block body to compile instead of 30 or 60)
+BATCH = {"r100": 2, "r200": 1, "mbf_large": 2}
+LOOPED = {"r50", "r100", "r200"}
+
+
+def convert(name: str):
+    """``(torch model, its numpy state dict, the converted jaxcls model)``."""
+    model = torch_model(name)
+    state = numpy_state(model)
+    return model, state, torch_to_jaxcls(state, name, **(dict(remat="full") if name in LOOPED else {}))
+
+
+converted = functools.cache(convert)  # for the small models that several tests use
+
+
+@pytest.mark.slow  # whole backbones in PyTorch and XLA
+@pytest.mark.parametrize("name", list(ARCFACE_MODELS))
+def test_converted_backbone_embeds_as_insightface(name):
+    model, state, converted_model = converted(name) if name in ("r18", "mbf") else convert(name)
+    assert list(state) == torch_keys(name)  # the mapping's keys are insightface's, in its order
+    n = BATCH.get(name, 4)
+    want = torch_embed(model, n)
+    assert np.all(np.isfinite(want)) and np.abs(want).max() > 1
+    check_agreement(name, jax_embed(converted_model, n), want)
+    back = jaxcls_to_torch(converted_model, name)  # the inverse gives every tensor back, bit for bit
+    assert list(back) == list(state)
+    for key, value in state.items():
+        if key.endswith("num_batches_tracked"):
+            assert back[key].dtype == np.int64 and back[key].shape == () and back[key] == 0
+        else:
+            assert back[key].dtype == np.float32 and np.array_equal(back[key], value), key
+
+
+@pytest.mark.slow  # whole backbones in PyTorch and XLA
+def test_the_fc_rows_are_permuted_from_nchw_to_nhwc():
+    """The IResNet's fc reads the flattened [512, 7, 7] features: a mere transpose of its weight (reading torch's
+    (c, h, w) order as jaxcls's (h, w, c)) gives other embeddings; the permutation gives insightface's."""
+    model, state, converted_model = converted("r18")
+    want = torch_embed(model, 4)
+    graphdef, params = nnx.split(converted_model)
+    transposed = nnx.from_flat_state([(path, v.replace(jax.numpy.asarray(state["fc.weight"].T))
+                                       if path == ("fc", "kernel") else v) for path, v in nnx.to_flat_state(params)])
+    naive = np.asarray(embed_fn(graphdef)(transposed, deployed_input(images(4))))
+    assert agreement(naive, want)[0] < 0.99
+    check_agreement("r18", jax_embed(converted_model, 4), want)
+
+
+@pytest.mark.slow  # whole backbones in PyTorch and XLA
+@pytest.mark.parametrize("name", ["r18", "mbf"])
+def test_a_jaxcls_backbone_loads_strictly_into_insightface(name, rng):
+    """jaxcls → torch on a model whose every variable was changed in jaxcls (so nothing is a copy of a torch
+    file): insightface's ``load_state_dict(strict=True)`` takes it and embeds as jaxcls does."""
+    _, _, converted_model = converted(name)
+    graphdef, params, stats, rest = nnx.split(converted_model, nnx.Param, nnx.BatchStat, ...)
+    jitter = lambda x: jax.numpy.asarray(np.asarray(x) * rng.uniform(0.9, 1.1, x.shape).astype(np.float32))
+    model = nnx.merge(graphdef, jax.tree.map(jitter, params), jax.tree.map(jitter, stats), rest)
+    state = jaxcls_to_torch(model, name)
+    fresh = insightface().get_model(name).eval()
+    assert list(state) == list(fresh.state_dict())
+    fresh.load_state_dict({k: torch.tensor(v) for k, v in state.items()}, strict=True)
+    check_agreement(name, torch_embed(fresh, 4), jax_embed(model, 4))
+    assert agreement(torch_embed(fresh, 4), torch_embed(converted(name)[0], 4))[0] < COSINE  # it did change
+
+
+def test_mapping_errors_name_the_tensors():
+    _, state, converted_model = converted("r18")
+    to_jaxcls = lambda s, name="r18", **kw: torch_to_jaxcls(s, name, source="b.pth", **kw)
+
+    # DataParallel's module. prefix is stripped: the same model
+    prefixed = to_jaxcls({f"module.{k}": v for k, v in state.items()})
+    same = jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), nnx.state(prefixed, nnx.Param, nnx.BatchStat),
+                        nnx.state(converted_model, nnx.Param, nnx.BatchStat))
+    assert all(jax.tree.leaves(same))
+
+    missing = {k: v for k, v in state.items() if k != "layer2.1.conv1.weight"}
+    with pytest.raises(DataError, match=r"^b\.pth: not the state dict of arcface_torch's r18 backbone: 1 missing "
+                                        r"key\(s\): layer2\.1\.conv1\.weight$"):
+        to_jaxcls(missing)
+    with pytest.raises(DataError, match=r"1 unexpected key\(s\): fc\.scale$"):
+        to_jaxcls({**state, "fc.scale": np.ones(512, np.float32)})
+    with pytest.raises(DataError, match=r"1 missing key\(s\): layer1\.0\.bn1\.num_batches_tracked"):
+        to_jaxcls({k: v for k, v in state.items() if k != "layer1.0.bn1.num_batches_tracked"})
+    # another model's file: the keys say which
+    with pytest.raises(DataError, match=r"missing key\(s\): layer1\.2\.bn1\.weight, .* \(its keys are those of "
+                                        r"arcface_torch's r18 \(--model r18\)"):
+        to_jaxcls(state, "r34")
+    with pytest.raises(DataError, match=r"mbf backbone: \d+ missing key\(s\): layers\.0\.layers\.0\.weight, .*; "
+                                        r"187 unexpected key\(s\): conv1\.weight, .* \(its keys are those of "
+                                        r"arcface_torch's r18"):
+        to_jaxcls(state, "mbf")
+    # the FC's (PartialFC) weight instead of the backbone
+    with pytest.raises(DataError, match=r"1 unexpected key\(s\): weight \(none of its keys is a backbone's"):
+        to_jaxcls({"weight": np.zeros((10, 512), np.float32)})
+
+    wrong = dict(state, **{"layer1.0.conv1.weight": np.zeros((64, 64, 3, 1), np.float32)})
+    with pytest.raises(DataError, match=r"^b\.pth: 1 tensor\(s\) of another shape than arcface_torch's r18 has: "
+                                        r"layer1\.0\.conv1\.weight: \(64, 64, 3, 1\) in the file, \(64, 64, 3, 3\) "
+                                        r"expected$"):
+        to_jaxcls(wrong)
+    with pytest.raises(DataError, match=r"embedding size: 512 in the file; --num_features\?\): fc\.weight: "
+                                        r"\(512, 25088\) in the file, \(256, 25088\) expected"):
+        to_jaxcls(state, num_features=256)
+    with pytest.raises(DataError, match=r"features\.weight is not all ones"):
+        to_jaxcls(dict(state, **{"features.weight": np.full(512, 2, np.float32)}))
+    with pytest.raises(DataError, match=r"conv1\.weight: int64 values"):
+        to_jaxcls(dict(state, **{"conv1.weight": state["conv1.weight"].astype(np.int64)}))
+    for name, reason in [("r2060", "jaxcls has no IResNet-2060"), ("vit_t", "ViTs are not mapped"),
+                         ("resnet", "not an arcface_torch backbone")]:
+        with pytest.raises(ValueError, match=f"cannot convert arcface_torch model '{name}': .*{reason}"):
+            to_jaxcls(state, name)
+
+
+def test_only_the_counterparts_of_arcface_torch_go_back_to_torch():
+    from jaxcls.models import get_model
+    narrow = nnx.eval_shape(lambda: get_model("r18", 512, width=16))
+    with pytest.raises(ValueError, match=r"not jaxcls's counterpart of arcface_torch's r18 .*firsts/0/conv1/kernel: "
+                                         r"\(3, 3, 16, 16\), \(3, 3, 64, 64\)"):
+        jaxcls_to_torch(narrow, "r18")
+    with pytest.raises(ValueError, match="IResNets are 64 wide; this run.s r18 is 16 wide"):
+        arcface_name(_with(run_config("r18"), width=16))
+    # mbf_large is jaxcls's mbf with model_kwargs, which survive a run's config.json
+    from jaxcls.config import from_json
+    from jaxcls.run import make_model
+    config = from_json(run_config("mbf_large").to_json_best_effort())
+    assert (config.model, arcface_name(config)) == ("mbf", "mbf_large")
+    large = nnx.eval_shape(lambda: make_model(config))
+    assert len(large.layers) == 1 + 2 + 1 + 8 + 1 + 12 + 1 + 4 and large.conv_sep.conv.kernel.shape == (1, 1, 512, 512)
+    config.data.input_size = 96
+    with pytest.raises(ValueError, match="take 112×112 images; this run's take 96×96"):
+        arcface_name(config)
+
+
+def _with(config, **model_kwargs):
+    config.model_kwargs = dict(config.model_kwargs, **model_kwargs)
+    return config
+
+
+@pytest.mark.slow  # whole backbones in PyTorch and XLA
+def test_cli_imports_a_pth_and_exports_it_back(tmp_path):
+    model, state, _ = converted("r18")
+    # a DataParallel model's file, written by torch
+    torch.save({f"module.{k}": v for k, v in model.state_dict().items()}, tmp_path / "backbone.pth")
+    cli = lambda *args: subprocess.run([sys.executable, "-m", "jaxcls.convert", *map(str, args)], capture_output=True,
+                                       text=True, timeout=600)
+    done = cli("--torch", tmp_path / "backbone.pth", "--model", "r18", "--workdir", tmp_path / "run")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"wrote {tmp_path / 'run'}: arcface_torch r18 as jaxcls r18, 512-d embeddings, checkpoint 0" in done.stdout
+
+    embedder = Embedder(tmp_path / "run")  # over the 8 devices
+    assert (embedder.step, embedder.input_size) == (0, 112)
+    check_agreement("r18 Embedder", embedder(images(4)), torch_embed(model, 4))
+    backbone, config, step = restore_backbone(tmp_path / "run")
+    assert (step, config.model, dict(config.model_kwargs), config.num_features, config.num_classes) == (
+        0, "r18", {}, 512, 1)
+    # the whole train state (a fresh one-class FC too) restores on any mesh, as jaxcls.eval and resuming read it
+    from jaxcls.checkpoint import RunCheckpoints
+    from jaxcls.run import build
+    checkpoints = RunCheckpoints(tmp_path / "run" / "checkpoints", config.keep_checkpoints)
+    restored, position = checkpoints.restore(build(config, with_data=False).abstract_state)  # 8 devices
+    checkpoints.close()
+    assert int(restored["step"]) == 0 and position == {"global_batches": 0}
+    same = jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), restored["params"], nnx.state(backbone, nnx.Param))
+    assert all(jax.tree.leaves(same))
+
+    done = cli("--to-torch", tmp_path / "back.pth", "--workdir", tmp_path / "run")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"wrote {tmp_path / 'back.pth'}: arcface_torch r18 state dict of {tmp_path / 'run'} step 0" in done.stdout
+    back = torch.load(tmp_path / "back.pth", weights_only=True)
+    insightface().get_model("r18").load_state_dict(back, strict=True)
+    assert list(back) == list(state)
+    for key, value in state.items():
+        if not key.endswith("num_batches_tracked"):
+            assert np.array_equal(back[key].numpy(), value), key
+
+    # errors name the file; a workdir with checkpoints is never written over
+    with pytest.raises(DataError, match=rf"^{tmp_path / 'backbone.pth'}: not the state dict of arcface_torch's r34 "
+                                        r"backbone: .* \(its keys are those of arcface_torch's r18 \(--model r18\)\)$"):
+        import_torch(tmp_path / "backbone.pth", "r34", tmp_path / "r34")
+    assert not (tmp_path / "r34").exists()
+    with pytest.raises(CheckpointError, match=r"run already holds checkpoints \(step 0\): convert into a new workdir"):
+        write_run(state, "r18", tmp_path / "run")
+
+
+def test_import_torch_reads_the_file_and_names_it_in_errors(tmp_path):
+    save_pth(tmp_path / "fc.pth", {"weight": np.zeros((10, 512), np.float32)})
+    with pytest.raises(DataError, match=rf"^{tmp_path / 'fc.pth'}: not the state dict of arcface_torch's r50"):
+        import_torch(tmp_path / "fc.pth", "r50", tmp_path / "run")
+    _, state, _ = converted("mbf")
+    save_pth(tmp_path / "mbf.pth", state)
+    with pytest.raises(DataError, match=rf"^{tmp_path / 'mbf.pth'}: 5 tensor\(s\) of another shape .*--num_features"):
+        import_torch(tmp_path / "mbf.pth", "mbf", tmp_path / "run", num_features=128)
+    assert not (tmp_path / "run").exists()  # nothing written
