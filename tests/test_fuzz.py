@@ -13,7 +13,6 @@ import pickle
 import re
 import struct
 import tempfile
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +24,7 @@ from PIL import Image
 from jaxcls.data.recordio import (_MAGIC_BYTES, DataError, MXFaceDataset, decode_image, encode_record,
                                   max_image_pixels, pack)
 from jaxcls.eval.verification import load_bin
+from test_image_limit import claiming, encoded
 
 # a deadline of 2 s per example: a reader that loops or reads a huge chunk length fails
 FUZZ = settings(max_examples=120, deadline=2000, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -232,25 +232,11 @@ def test_random_bytes_as_a_bin(data):
             load_bin(path, size=16)
 
 
-def image_with_header(fmt, width, height):
-    """A 16×16 JPEG or PNG whose header says ``width × height``."""
-    buf = io.BytesIO()
-    Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(buf, fmt)
-    data = bytearray(buf.getvalue())
-    if fmt == "JPEG":
-        sof = data.index(b"\xff\xc0")
-        data[sof + 5:sof + 9] = struct.pack(">HH", height, width)
-    else:
-        data[16:24] = struct.pack(">II", width, height)
-        data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))
-    return bytes(data)
-
-
 @FUZZ
 @given(st.sampled_from(["JPEG", "PNG"]), st.integers(0, 65_535), st.integers(0, 65_535), st.integers(0, 400),
        st.sampled_from([0, 16, 112]))
 def test_an_image_header_claiming_any_size_decodes_as_claimed_or_is_refused(fmt, width, height, cut, at_least):
-    data = image_with_header(fmt, width, height)
+    data = claiming(encoded(fmt), width, height)
     data = data[:len(data) - cut] if cut < len(data) else data
     try:
         image = decode_image(data, "x.img", at_least)

@@ -29,6 +29,7 @@ from jaxcls.data.recordio import DataError
 from jaxcls.safe_pickle import RefusedPickle
 from jaxcls import torch_pth
 from jaxcls.torch_pth import load_state_dict, save_pth
+from test_safe_pickle import Payload
 
 FORMATS = ("zip", "legacy")
 INSIGHTFACE = Path(__file__).resolve().parents[2] / "shared" / "bench" / "insightface"
@@ -142,16 +143,6 @@ def test_an_arcface_torch_backbone_reads_exactly(torch, arcface_r18, tmp_path, l
     got = load_state_dict(save(torch, sd, tmp_path / "backbone.pth", layout))
     assert_same(got, sd, torch)
     assert got["bn1.running_var"].dtype == np.float32 and got["bn1.num_batches_tracked"].dtype == np.int64
-
-
-class Payload:
-    """Pickles as a call of ``function(*args)``, which would write the marker file."""
-
-    def __init__(self, function, *args):
-        self.function, self.args = function, args
-
-    def __reduce__(self):
-        return self.function, self.args
 
 
 def payloads(marker):
