@@ -35,10 +35,19 @@ from typing import NamedTuple
 
 import jax
 import numpy as np
+from absl import flags
 from flax import nnx
 
+from jaxcls.checkpoint import CheckpointError, RunCheckpoints
+from jaxcls.config import base_config, from_json
 from jaxcls.data.recordio import DataError
+from jaxcls.inference import restore_backbone
+from jaxcls.models import get_model
+from jaxcls.models.iresnet import STAGES
+from jaxcls.reporting import configure_logging, run_cli
+from jaxcls.run import build, make_model, split_model
 from jaxcls.torch_pth import load_state_dict, save_pth
+from jaxcls.workdir import WorkdirLock
 
 # arcface_torch backbone name → (jaxcls model, its model_kwargs)
 ARCFACE_MODELS = {
@@ -125,7 +134,6 @@ def arcface_layers(name: str) -> list[Layer]:
     jax_name, kwargs = jaxcls_model(name)
     if jax_name == "mbf":
         return _mbf_layers(kwargs.get("blocks", (1, 4, 6, 2)))
-    from jaxcls.models.iresnet import STAGES
     return _iresnet_layers(STAGES[jax_name])
 
 
@@ -221,7 +229,6 @@ def torch_to_jaxcls(state: Mapping[str, np.ndarray], model: str, num_features: i
     ``DataError`` (its message starting with ``source``) when the keys or shapes are not exactly those of that
     backbone with ``num_features``-d embeddings, or when the IResNet's frozen ``features.weight`` is not all ones.
     """
-    from jaxcls.models import get_model
     jax_name, kwargs = jaxcls_model(model)
     make = lambda: get_model(jax_name, num_features, input_size=INPUT_SIZE, **kwargs, **model_kwargs)
     return load_torch_state(state, model, make, source=source)
@@ -337,7 +344,6 @@ def jaxcls_to_torch(model: nnx.Module, name: str) -> dict[str, np.ndarray]:
 
     ``ValueError`` when ``model``'s variables are not exactly those of jaxcls's counterpart of ``name`` (another
     width, input size, ...)."""
-    from jaxcls.models import get_model
     jax_name, kwargs = jaxcls_model(name)
     _, params, stats, _ = _split(model)
     variables = {**_flat(params), **_flat(stats)}
@@ -379,7 +385,6 @@ def jaxcls_to_torch(model: nnx.Module, name: str) -> dict[str, np.ndarray]:
 def run_config(name: str, num_features: int = 512):
     """The config of a run holding arcface_torch backbone ``name``: its jaxcls model, 112×112 input, float32, and a
     one-class placeholder FC (the backbone is what was converted); the data source is left unset."""
-    from jaxcls.config import base_config
     jax_name, kwargs = jaxcls_model(name)
     c = base_config()
     c.model, c.model_kwargs, c.num_features = jax_name, kwargs, num_features
@@ -417,10 +422,6 @@ def write_run(state: Mapping[str, np.ndarray], name: str, workdir: str | os.Path
     """Write arcface_torch backbone ``name``'s ``state`` as the jaxcls run ``workdir`` at step 0 (``config.json`` and
     ``checkpoints/0``: the backbone, a fresh one-class FC and optimizer state); ``num_features`` default: the file's.
     Refused (``CheckpointError``) if ``workdir`` already holds checkpoints. Returns the run's config."""
-    from jaxcls.checkpoint import CheckpointError, RunCheckpoints
-    from jaxcls.run import build, make_model, split_model
-    from jaxcls.workdir import WorkdirLock
-
     workdir = Path(workdir).absolute()  # orbax writes only to absolute paths
     state = strip_module_prefix(state)
     jaxcls_model(name)  # an unsupported name fails before anything else
@@ -469,9 +470,6 @@ def import_torch(path: str | os.PathLike, name: str, workdir: str | os.PathLike,
 def export_torch(workdir: str | os.PathLike, path: str | os.PathLike, step: int | None = None) -> tuple[int, str]:
     """Run ``workdir``'s backbone at checkpoint ``step`` (default: the latest) → the ``.pth`` file ``path`` of its
     arcface_torch counterpart's state dict; returns ``(step, arcface_torch name)``."""
-    from jaxcls.config import from_json
-    from jaxcls.inference import restore_backbone
-
     config_path = Path(workdir) / "config.json"
     if config_path.is_file():  # refuse a run with no arcface_torch counterpart before restoring anything
         arcface_name(from_json(config_path.read_text()))
@@ -482,9 +480,6 @@ def export_torch(workdir: str | os.PathLike, path: str | os.PathLike, step: int 
 
 
 def main(argv):
-    from absl import flags
-
-    from jaxcls.reporting import configure_logging
     if len(argv) > 1:
         raise ValueError(f"unexpected arguments {argv[1:]}")
     configure_logging(verbose=flags.FLAGS["verbosity"].present)
@@ -505,9 +500,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from absl import flags
-
-    from jaxcls.reporting import run_cli
     flags.DEFINE_string("torch", None, "an arcface_torch backbone's state dict (.pth) to write as a jaxcls run")
     flags.DEFINE_string("model", None, f"with --torch: the backbone's arcface_torch name ({', '.join(ARCFACE_MODELS)})")
     flags.DEFINE_integer("num_features", None, "with --torch: its embedding size (default: the file's)")
