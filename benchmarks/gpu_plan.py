@@ -56,12 +56,13 @@ def row(spec, target, small) -> dict:
     devices, config = target_devices(target, gpus), step_config(*spec, small)
     start = time.perf_counter()
 
-    compiled = {}
+    compiled, cublas = {}, {}
 
     def memory_at(classes):
         config.num_classes = classes
         run = build(config, devices, with_data=False)
-        compiled[classes] = step_memory(run, run.compile_step(run.abstract_state, gpu_target.COMPILE_OPTIONS))
+        program, cublas[classes] = gpu_target.compile_step(run, run.abstract_state)
+        compiled[classes] = step_memory(run, program)
         return compiled[classes]
 
     head = build(config, devices, with_data=False).trainer.head
@@ -73,7 +74,7 @@ def row(spec, target, small) -> dict:
     return {"model": model, "batch": batch, "fc_dtype": fc_dtype, "rate": rate, "gpus": gpus,
             "fixed_GiB": fixed / 2**30, "bytes_per_class": per_class, "max_classes_75": fits[75],
             "max_classes_95": fits[95], "compile_s": (time.perf_counter() - start) / 2, "target": target,
-            "parts_at_2_rows": compiled[shards * 2 * rows].parts}
+            "parts_at_2_rows": compiled[shards * 2 * rows].parts, "cublas_gemms": any(cublas.values())}
 
 
 def main():

@@ -29,6 +29,9 @@ PLUGINS = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
 # CUB's radix sort (PartialFC's top_k) asks the CUDA runtime for the device while the executable is built;
 # XLA's own sort needs no device and the same buffers (measured: equal temporaries with CUB on a GPU)
 COMPILE_OPTIONS = {"xla_gpu_enable_cub_radix_sort": False}
+# Without autotuning XLA may find no Triton tiles for a GEMM (measured: vit_t's attention, bf16[16512, 256]); cuBLAS
+# then takes the GEMMs, as it does on a GPU wherever the autotuner finds Triton slower
+WITHOUT_TRITON_GEMMS = {**COMPILE_OPTIONS, "xla_gpu_enable_triton_gemm": False}
 AUTOTUNING_MARGIN = 0.02  # forcing cuBLAS instead of the untuned Triton GEMMs added 88 MB (+2%) to an r50 step
 GPUS_PER_HOST = 8
 
@@ -115,3 +118,14 @@ def gpu_devices(name: str, count: int, per_host: int = GPUS_PER_HOST) -> list:
                     raise RuntimeError(f"the CUDA plugin could not make {name} devices: {e}") from e
                 dropped.append(unknown.group(1))
                 text = _without_field(text, unknown.group(1))
+
+
+def compile_step(run, state):
+    """``(run.compile_step(state) by XLA:GPU, whether its GEMMs had to fall back to cuBLAS)``: with
+    ``COMPILE_OPTIONS``, and ``WITHOUT_TRITON_GEMMS`` when XLA finds no Triton tiles for a GEMM."""
+    try:
+        return run.compile_step(state, COMPILE_OPTIONS), False
+    except jax.errors.JaxRuntimeError as e:
+        if "Couldn't find output tile sizes" not in str(e):
+            raise
+        return run.compile_step(state, WITHOUT_TRITON_GEMMS), True

@@ -128,13 +128,17 @@ class Plan:
 
 def plan(config, devices: list, device_memory: int, max_classes: bool = False, target: str = "cpu") -> Plan:
     """Compile ``config``'s step for ``devices`` (``target_devices``) and size it against ``device_memory``."""
-    options = None if target == "cpu" else gpu_target.COMPILE_OPTIONS
+    cublas = []  # whether a GPU compile had to take cuBLAS for its GEMMs
 
     def memory_at(num_classes=None):
         c = config.copy_and_resolve_references()
         c.num_classes = config.num_classes if num_classes is None else num_classes
         run = build(c, devices, with_data=False)
-        return run, step_memory(run, run.compile_step(run.abstract_state, options))
+        if target == "cpu":
+            return run, step_memory(run)
+        compiled, fell_back = gpu_target.compile_step(run, run.abstract_state)
+        cublas.append(fell_back)
+        return run, step_memory(run, compiled)
 
     run, memory = memory_at()
     if target == "cpu":
@@ -143,6 +147,8 @@ def plan(config, devices: list, device_memory: int, max_classes: bool = False, t
         compiler = gpu_target.compiler() + ", compile-only"
         notes = [f"compile-only: nothing was autotuned (cuDNN algorithms, GEMM tiles); a compile on the GPU may "
                  f"need up to ~{gpu_target.AUTOTUNING_MARGIN:.0%} more temporaries"]
+        notes += ["XLA found no Triton tiles for a GEMM without autotuning: compiled with cuBLAS GEMMs "
+                  "(xla_gpu_enable_triton_gemm=false)"] * any(cublas)
     result = Plan(target, devices[0].device_kind, len(devices), len({d.process_index for d in devices}), compiler,
                   device_memory, mem_fraction(config), memory, run.summary(), notes)
     if max_classes:

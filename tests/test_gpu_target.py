@@ -115,3 +115,22 @@ def test_targets_and_their_memory():
         gpu_target.target_config("h800")
     with pytest.raises(ValueError, match="12 GPUs: give at most 8 .* or a multiple of 8"):
         gpu_target.gpu_devices("h100", 12)
+
+
+def test_a_gemm_without_triton_tiles_falls_back_to_cublas_and_other_errors_stay():
+    class Run:  # a run whose compile with Triton GEMMs fails with ``error``, as vit_t's did for an H100
+        def __init__(self, error):
+            self.error, self.calls = error, []
+
+        def compile_step(self, state, options):
+            self.calls.append(options)
+            if options.get("xla_gpu_enable_triton_gemm", True):
+                raise jax.errors.JaxRuntimeError(self.error)
+            return "compiled"
+
+    run = Run("INTERNAL: Couldn't find output tile sizes that satisfy hlo: %dot.469 = bf16[16512,256]")
+    assert gpu_target.compile_step(run, None) == ("compiled", True)
+    assert run.calls == [gpu_target.COMPILE_OPTIONS, gpu_target.WITHOUT_TRITON_GEMMS]
+    assert gpu_target.WITHOUT_TRITON_GEMMS["xla_gpu_enable_cub_radix_sort"] is False
+    with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):
+        gpu_target.compile_step(Run("RESOURCE_EXHAUSTED: out of memory"), None)
