@@ -1,7 +1,8 @@
 """XLA:GPU's bytes per device for the face recipes on H100s, compiled here without a GPU (``jaxcls.gpu_target``).
 
 Each row compiles the real train step (112×112, 512-d ArcFace, bfloat16 compute, SGD with momentum) at 1M and 2M FC
-rows per GPU (at PartialFC 0.1, 1.3M and 2.6M: enough that it samples whole tiles); bytes per device are affine in the class count, so the two give the fixed bytes, the bytes per class
+rows per GPU (at PartialFC 0.1, 1.3M and 2.6M: enough that it samples whole tiles); bytes per device are affine in
+the class count, so the two give the fixed bytes, the bytes per class
 and the largest class count at JAX's default 75% of the GPU and at 95% (``--config.mem_fraction=0.95``).
 ``python -m jaxcls.plan --target h100 --max-classes`` confirms one such count with a third compile.
 
@@ -18,7 +19,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import os
 import subprocess
 import sys
@@ -47,7 +47,7 @@ def step_config(model, batch, fc_dtype, rate, gpus, small):
 
 def row(spec, target, small) -> dict:
     from jaxcls import gpu_target
-    from jaxcls.memory import fit_classes, step_memory
+    from jaxcls.memory import fit_classes, probe_rows, step_memory
     from jaxcls.mesh import class_shards
     from jaxcls.plan import target_devices
     from jaxcls.run import build
@@ -67,7 +67,7 @@ def row(spec, target, small) -> dict:
 
     head = build(config, devices, with_data=False).trainer.head
     shards = class_shards(head.mesh, head.class_axes)
-    rows = max(2**20, math.ceil(2 * config.chunk_size / rate))  # PartialFC samples full tiles (as the planner)
+    rows = probe_rows(config.chunk_size, rate)
     fixed, per_class = fit_classes(memory_at, (shards * rows, shards * 2 * rows))
     memory = gpu_target.device_memory(target)
     fits = {share: int((memory * share / 100 - fixed) / per_class) // shards * shards for share in (75, 95)}

@@ -169,6 +169,12 @@ class ClassFit(typing.NamedTuple):
     per_class: float
 
 
+def probe_rows(chunk_size: int, sample_rate: float) -> int:
+    """FC rows per device at which to probe the class count: 1M, or more where PartialFC needs it to sample whole
+    tiles of ``chunk_size`` rows (two tiles), so every part that grows with the classes is a per-row array."""
+    return max(2**20, math.ceil(2 * chunk_size / sample_rate))
+
+
 def max_classes_that_fit(memory_at, limit: int, shards: int, rows: int = 2**20) -> ClassFit:
     """The largest ``num_classes`` (a multiple of ``shards``) whose step fits in ``limit`` bytes per device, and
     its memory: solved from ``fit_classes`` at ``rows`` and ``2 · rows`` FC rows per device (enough that PartialFC

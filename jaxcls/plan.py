@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 
 import jax
@@ -25,7 +24,8 @@ from absl import flags
 
 from jaxcls import gpu_target
 from jaxcls.config import define_config_flag
-from jaxcls.memory import StepMemory, format_bytes, max_classes_that_fit, mem_fraction, parse_bytes, step_memory
+from jaxcls.memory import (StepMemory, format_bytes, max_classes_that_fit, mem_fraction, parse_bytes, probe_rows,
+                           step_memory)
 from jaxcls.mesh import class_shards
 from jaxcls.reporting import configure_logging, run_cli
 from jaxcls.run import build
@@ -153,7 +153,7 @@ def plan(config, devices: list, device_memory: int, max_classes: bool = False, t
                   device_memory, mem_fraction(config), memory, run.summary(), notes)
     if max_classes:
         shards = class_shards(run.mesh, run.trainer.head.class_axes)
-        rows = max(2**20, math.ceil(2 * config.chunk_size / config.sample_rate))  # PartialFC samples full tiles
+        rows = probe_rows(config.chunk_size, config.sample_rate)
         fit = max_classes_that_fit(lambda c: memory_at(c)[1], result.usable, shards, rows)
         result.max_classes, result.max_classes_total = fit.classes, fit.memory.total
         result.fixed, result.per_class = fit.fixed, fit.per_class
