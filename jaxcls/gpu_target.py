@@ -99,8 +99,8 @@ def gpu_devices(name: str, count: int, per_host: int = GPUS_PER_HOST) -> list:
     if not any(importlib.util.find_spec(p.split(".")[0]) and importlib.util.find_spec(p) for p in PLUGINS):
         raise MissingPlugin(f"compiling for a GPU needs JAX's CUDA plugin, which is not installed: "
                             f"{install_command()}")
-    if _plugin_version() not in (None, jax.lib.__version__):  # JAX ignores a plugin of another version
-        raise MissingPlugin(f"JAX's CUDA plugin is version {_plugin_version()}, jaxlib {jax.lib.__version__}: "
+    if (version := _plugin_version()) not in (None, jax.lib.__version__):  # JAX ignores a plugin of another version
+        raise MissingPlugin(f"JAX's CUDA plugin is version {version}, jaxlib {jax.lib.__version__}: "
                             f"{install_command()}")
     hosts, per_host = (1, count) if count <= per_host else (count // per_host, per_host)
     text, dropped = target_config(name), []

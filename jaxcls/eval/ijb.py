@@ -136,16 +136,15 @@ def check_images(protocol: Protocol) -> None:
     """Every face the protocol names is a file in ``loose_crop/`` whose image header reads (and is within the pixel
     limit): checked before the embedding starts, which on IJB-C takes hours. ``DataError`` with the count and the
     first problems."""
-    problems = []
-    for name in dict.fromkeys(protocol.names):
-        path = protocol.root / "loose_crop" / name
+    problems, names = [], dict.fromkeys(protocol.names)  # each image once, in order
+    for name in names:
         try:
-            read_image_header(path)
+            read_image_header(protocol.root / "loose_crop" / name)
         except DataError as e:
             problems.append(str(e))
     if problems:
-        raise DataError(f"{len(problems):,} of the {len(set(protocol.names)):,} images the protocol names cannot be "
-                        f"read (nothing was embedded): " + "; ".join(problems[:5]) + ("; …" if len(problems) > 5 else ""))
+        raise DataError(f"{len(problems):,} of the {len(names):,} images the protocol names cannot be read (nothing "
+                        "was embedded): " + "; ".join(problems[:5]) + ("; …" if len(problems) > 5 else ""))
 
 
 def aligned_loader(root: Path, name: str, landmarks: np.ndarray, size: int):
