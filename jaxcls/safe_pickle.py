@@ -4,11 +4,11 @@ A pickle is a program: while it loads it may import and call any function (``os.
 ``subprocess.Popen``…), so ``pickle.load`` on a downloaded ``.bin`` or ``.pth`` runs whatever its author wrote.
 ``restricted_loads`` reads a pickle in two passes:
 
-1. The opcodes alone (as ``pickletools.genops`` reads them, constructing nothing): every length must lie inside the data (so no
-   length field makes the loader allocate what the file does not hold), and every global the pickle names, by
-   ``GLOBAL``/``INST`` or by ``STACK_GLOBAL`` on the two strings pushed just before it, must be in the caller's
-   ``allowed`` table. Any other global is refused here, before a single object is built, whether it sits at the top
-   level or deep inside a list.
+1. The opcodes alone (as ``pickletools.genops`` reads them, constructing nothing): every length must lie inside the
+   data (so no length field makes the loader allocate what the file does not hold), and every global the pickle
+   names, by ``GLOBAL``/``INST`` or by ``STACK_GLOBAL`` on the two strings pushed just before it, must be in the
+   caller's ``allowed`` table. Any other global is refused here, before a single object is built, whether it sits at
+   the top level or deep inside a list.
 2. The load, by an unpickler whose ``find_class`` gives out only ``allowed``'s functions (each of which checks its
    own arguments), wrapped so that the pickle can call them but not change them, and whose ``persistent_load`` is
    the caller's or refuses. Values in ``allowed`` that are not callable are handed out as they are: they must

@@ -84,7 +84,9 @@ def check_insightface_accepts(path, features):
              if onnx.numpy_helper.to_array(t).dtype.itemsize < 4]
     assert not small, f"insightface refuses initializers of fewer than 4 bytes an element: {small}"
     first = [n.name for n in proto.graph.node[:8]]
-    assert not (any(n.startswith(("Sub", "_minus")) for n in first) and any(n.startswith(("Mul", "_mul")) for n in first))
+    subtracts = any(n.startswith(("Sub", "_minus")) for n in first)
+    multiplies = any(n.startswith(("Mul", "_mul")) for n in first)
+    assert not (subtracts and multiplies)
     assert not [n.op_type for n in proto.graph.node if n.op_type in ("Dropout", "BatchNormalization") and
                 any(a.name == "training_mode" and a.i for a in n.attribute)]
     assert "Dropout" not in {n.op_type for n in proto.graph.node}
