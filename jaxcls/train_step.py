@@ -56,7 +56,8 @@ class Trainer:
         fc_step = partial(self.head.step, state["weight"], state["fc_opt"], emb, labels, sample, lr)
         loss, d_emb, weight, fc_opt = fc_step(update=not self.scaler.enabled)
         # scaling d loss/d embeddings scales the loss: float16 backbone gradients then stay representable
-        g_params = self.scaler.unscale(backbone_grads(self.scaler.scale_loss(d_emb, scale)), scale)
+        d_emb = self.scaler.scale_loss(d_emb, scale).astype(emb.dtype)
+        g_params = self.scaler.unscale(backbone_grads(d_emb), scale)
         finite = all_finite(g_params) & jnp.isfinite(loss)
         if self.scaler.enabled:
             _, _, weight, fc_opt = fc_step(apply=finite)
@@ -72,7 +73,7 @@ class Trainer:
         return new, metrics
 
     def _embed(self, state, images):
-        """Float32 embeddings ``[B, D]``, the new BatchNorm statistics, and ``d_emb ↦ backbone gradients``.
+        """Embeddings ``[B, D]`` in the compute dtype, the new BatchNorm statistics, and ``d_emb ↦ backbone gradients``.
 
         With ``accum_steps > 1`` the backbone runs micro-batch by micro-batch, forward only (keeping just
         the embeddings); the gradient function runs each micro-batch's forward again under ``jax.vjp``, so
@@ -81,7 +82,7 @@ class Trainer:
 
         def forward(params, stats, images):
             model = nnx.merge(self.graphdef, params, stats)
-            emb = model(normalize(images)).astype(self.compute_dtype).astype(jnp.float32)
+            emb = model(normalize(images)).astype(self.compute_dtype)  # the FC's matmul dtype
             return emb, nnx.state(model, nnx.Not(nnx.Param))
 
         def vjp(params, stats, images):  # (embeddings, pullback, new stats)

@@ -121,3 +121,30 @@ def test_validate_labels_names_the_first_bad_label():
     tiles.validate_labels(np.array([0, 4, 2]), 5)
     with pytest.raises(ValueError, match=r"label 7 at batch index 2 is outside \[0, 5\) \(2 bad labels"):
         tiles.validate_labels(np.array([0, 1, 7, -1]), 5)
+
+
+@pytest.mark.parametrize("dtype, name, grad_name", [(jnp.bfloat16, "bf16", "bf16"), (jnp.float16, "f16", "f32"),
+                                                    (jnp.float32, "f32", "f32")])
+def test_cosines_gradients_multiply_in_the_operand_dtype(dtype, name, grad_name, rng):
+    """``cosines``: float32 products of ``dtype`` operands, and gradients whose two products also take ``dtype``
+    operands (float32 for float16), equal to float64 ``g @ w`` and ``gᵀ @ e`` within the operands' rounding."""
+    n, t, d = (int(x) for x in rng.integers(4, 33, size=3))
+    e, w, g = (rng.normal(size=shape) for shape in ((n, d), (t, d), (n, t)))
+
+    def grads(e, w, g):
+        cos, pullback = jax.vjp(tiles.cosines, e, w)
+        return cos, *pullback(g)
+
+    args = (jnp.asarray(e, dtype), jnp.asarray(w, dtype), jnp.asarray(g, jnp.float32))
+    hlo = jax.jit(grads).lower(*args).as_text()
+    products = [line for line in hlo.splitlines() if "dot_general" in line]
+    assert len(products) == 3, hlo
+    operands = [line.rsplit(":", 1)[1].split("->")[0] for line in products]  # "(tensor<4x8xbf16>, tensor<...>)"
+    assert [o.count(f"x{name}>") for o in operands[:1]] + [o.count(f"x{grad_name}>") for o in operands[1:]] == [2] * 3
+    cos, d_e, d_w = jax.jit(grads)(*args)
+    assert cos.dtype == jnp.float32 and d_e.dtype == dtype and d_w.dtype == dtype
+    tol = {jnp.bfloat16: 2e-2, jnp.float16: 2e-3, jnp.float32: 1e-5}[dtype]
+    e64, w64 = (np.asarray(jnp.asarray(x, dtype), np.float64) for x in (e, w))  # the operands as rounded
+    assert rel_err(cos, e64 @ w64.T) < tol
+    assert rel_err(np.asarray(d_e, np.float64), g @ w64) < tol
+    assert rel_err(np.asarray(d_w, np.float64), g.T @ e64) < tol

@@ -111,14 +111,41 @@ def num_tiles(num_rows: int, tile: int) -> int:
     return -(-num_rows // tile)
 
 
+@jax.custom_vjp
+def cosines(e_n: jax.Array, w_n: jax.Array) -> jax.Array:
+    """``e_n @ w_nᵀ`` ``[N, T]`` float32 from operands ``[N, D]``, ``[T, D]`` of one dtype, accumulated in float32.
+
+    Its gradients multiply in the operands' dtype too (the float32 cotangent rounded to it; plain autodiff would
+    run them on float32 operands, at a fraction of a GPU's bfloat16 rate), except for float16, whose range
+    would flush softmax probabilities under 6e-8 to zero: those stay float32.
+    """
+    return jnp.dot(e_n, w_n.T, preferred_element_type=jnp.float32)
+
+
+def _cosines_fwd(e_n, w_n):
+    return cosines(e_n, w_n), (e_n, w_n)
+
+
+def _cosines_bwd(residuals, g):
+    e_n, w_n = residuals
+    dtype = jnp.float32 if e_n.dtype == jnp.float16 else e_n.dtype
+    # autodiff of the product in `dtype` transposes it, summing over the mesh axes where an operand is replicated
+    product = lambda e, w: jnp.dot(e, w.T, preferred_element_type=dtype)
+    _, pullback = jax.vjp(product, e_n.astype(dtype), w_n.astype(dtype))
+    d_e, d_w = pullback(g.astype(dtype))
+    return d_e.astype(e_n.dtype), d_w.astype(w_n.dtype)
+
+
+cosines.defvjp(_cosines_fwd, _cosines_bwd)
+
+
 def tile_logits(e_n, w_tile, targets, valid, first, owned, margin: CombinedMargin):
     """Margin logits ``[N, T]`` float32 of the tile of rows ``w_tile`` ``[T, D]`` starting at local row ``first``.
 
     ``valid`` ``[T]`` marks real classes; rows before ``owned`` (overlap with the previous tile) and invalid
     ones get the fill value (exp → 0). Returns ``(logits, each target's column in the tile or -1)``.
     """
-    w_n = l2_normalize(w_tile).astype(e_n.dtype)
-    cos = jnp.dot(e_n, w_n.T, preferred_element_type=jnp.float32)
+    cos = cosines(e_n, l2_normalize(w_tile).astype(e_n.dtype))
     rel = targets - first
     rel = jnp.where((targets >= owned) & (rel >= 0) & (rel < cos.shape[1]), rel, -1)
     columns = first + lax.broadcasted_iota(jnp.int32, cos.shape, 1)
