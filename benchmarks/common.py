@@ -51,6 +51,16 @@ def environment() -> dict:
             "device_count": jax.device_count(), "python": platform.python_version(), "argv": sys.argv}
 
 
+def select(grid: list[tuple], keys: list[str], conditions: list[str]) -> list[tuple]:
+    """The specs of ``grid`` (tuples named by ``keys``) matching every ``KEY=VALUE`` of ``conditions``."""
+    for condition in conditions:
+        key, value = condition.split("=", 1)
+        if key not in keys:
+            sys.exit(f"--only {condition}: KEY must be one of {', '.join(keys)}")
+        grid = [spec for spec in grid if str(spec[keys.index(key)]) == value]
+    return grid
+
+
 def print_table(rows: list[dict], columns: list[str]) -> None:
     def fmt(v):
         if v is None or isinstance(v, bool):

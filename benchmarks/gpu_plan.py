@@ -26,7 +26,7 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only GPUs: no CUDA driver is needed, none is started
 
-from common import print_table, write_json  # noqa: E402
+from common import print_table, select, write_json  # noqa: E402
 
 GRID = list(itertools.product(("r50", "r100", "mbf", "vit_t"), (128, 512), ("float32", "bfloat16"), (1.0, 0.1),
                               (1, 8)))
@@ -88,10 +88,7 @@ def main():
     if args.row is not None:
         return print(json.dumps(row(tuple(json.loads(args.row)), args.target, args.small)))
     grid = [("r18", 32, "bfloat16", 0.5, 1)] if args.small else GRID
-    keys = ["model", "batch", "fc_dtype", "rate", "gpus"]
-    for condition in args.only:
-        key, value = condition.split("=", 1)
-        grid = [spec for spec in grid if str(spec[keys.index(key)]) == value]
+    grid = select(grid, ["model", "batch", "fc_dtype", "rate", "gpus"], args.only)
     rows = []
     for spec in grid:
         cmd = [sys.executable, __file__, "--row", json.dumps(spec), "--target", args.target] + ["--small"] * args.small

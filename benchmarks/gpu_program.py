@@ -23,78 +23,11 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only GPUs: no CUDA driver is needed, none is started
 
-import flax.linen as nn  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
 from common import print_table, write_json  # noqa: E402
+from plain_step import PlainIResNet, plain_program  # noqa: E402
 
 from jaxcls import gpu_target  # noqa: E402
 from jaxcls.hlo import KERNEL_KINDS, kernels  # noqa: E402
-
-
-class Block(nn.Module):
-    """insightface's IBasicBlock: BN, conv3×3, BN, PReLU, conv3×3 (stride), BN, plus the (projected) input."""
-
-    width: int
-    stride: int
-
-    @nn.compact
-    def __call__(self, x):
-        bn = lambda y: nn.BatchNorm(use_running_average=False, epsilon=1e-5, dtype=jnp.bfloat16)(y)
-        conv = lambda y, s: nn.Conv(self.width, (3, 3), s, padding=1, use_bias=False, dtype=jnp.bfloat16)(y)
-        y = bn(conv(nn.PReLU(param_dtype=jnp.float32)(bn(conv(bn(x), 1))), self.stride))
-        if self.stride != 1 or x.shape[-1] != self.width:
-            x = bn(nn.Conv(self.width, (1, 1), self.stride, use_bias=False, dtype=jnp.bfloat16)(x))
-        return x + y
-
-
-class PlainIResNet(nn.Module):
-    stages: tuple = (3, 4, 14, 3)
-    base: int = 64
-    features: int = 512
-
-    @nn.compact
-    def __call__(self, x):
-        x = nn.Conv(self.base, (3, 3), padding=1, use_bias=False, dtype=jnp.bfloat16)(x.astype(jnp.bfloat16))
-        x = nn.PReLU(param_dtype=jnp.float32)(nn.BatchNorm(use_running_average=False, dtype=jnp.bfloat16)(x))
-        for stage, blocks in enumerate(self.stages):
-            for i in range(blocks):
-                x = Block(self.base * 2**stage, 2 if i == 0 else 1)(x)
-        x = nn.BatchNorm(use_running_average=False, dtype=jnp.bfloat16)(x).reshape(x.shape[0], -1)
-        x = nn.Dense(self.features, dtype=jnp.bfloat16)(x)
-        return nn.BatchNorm(use_running_average=False, use_scale=False)(x.astype(jnp.float32))
-
-
-def plain_program(batch: int, size: int, rows: int, model: PlainIResNet, device):
-    """The reference step for ``device``: ``(params, stats, fc, momenta), images, labels → same, loss``."""
-    images = jax.ShapeDtypeStruct((batch, size, size, 3), jnp.bfloat16)
-    labels = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros(images.shape, images.dtype)))
-    fc = jax.ShapeDtypeStruct((rows, model.features), jnp.float32)
-    optimizer = optax.sgd(0.1, momentum=0.9)
-    trainable = {"params": variables["params"], "fc": fc}
-    state = (trainable, variables["batch_stats"], jax.eval_shape(optimizer.init, trainable))
-
-    def step(state, images, labels):
-        trainable, stats, opt = state
-
-        def loss_fn(trainable):
-            embeddings, new = model.apply({"params": trainable["params"], "batch_stats": stats}, images,
-                                          mutable=["batch_stats"])
-            e = embeddings / jnp.linalg.norm(embeddings, axis=1, keepdims=True)
-            w = trainable["fc"] / jnp.linalg.norm(trainable["fc"], axis=1, keepdims=True)
-            logits = (e.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16).T).astype(jnp.float32)
-            logits = 64.0 * (logits - 0.4 * jax.nn.one_hot(labels, rows))
-            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), new["batch_stats"]
-
-        (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
-        updates, opt = optimizer.update(grads, opt, trainable)
-        return (optax.apply_updates(trainable, updates), stats, opt), loss
-
-    placed = jax.sharding.SingleDeviceSharding(device)
-    put = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placed), tree)
-    return jax.jit(step, donate_argnums=0).lower(put(state), put(images), put(labels)).compile()
 
 
 def jaxcls_program(overrides: dict, small: bool, device):

@@ -25,7 +25,7 @@ if "--small" in sys.argv or "--cpu" in sys.argv:
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from common import compiled_memory, peak_device_bytes, print_table, write_json  # noqa: E402
+from common import compiled_memory, peak_device_bytes, print_table, select, write_json  # noqa: E402
 
 from jaxcls.config import base_config  # noqa: E402
 from jaxcls.data.pipeline import HostBatches, device_batch  # noqa: E402
@@ -53,7 +53,9 @@ def step_config(model, batch, num_classes, sample_rate, precision, size, overrid
 def measure(config, steps, pipeline_root=None, warmup=3, devices=None):
     run = build(config, devices)
     state = run.init_state()
+    start = time.perf_counter()
     step = run.compile_step(state)  # one compile: timed and read for its memory
+    compile_s = time.perf_counter() - start
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, (config.batch_size, config.data.input_size, config.data.input_size, 3), np.uint8)
     labels = rng.integers(0, config.num_classes, config.batch_size).astype(np.int32)
@@ -76,7 +78,7 @@ def measure(config, steps, pipeline_root=None, warmup=3, devices=None):
     return {"model": config.model, "batch": config.batch_size, "classes": config.num_classes,
             "sample_rate": config.sample_rate, "precision": config.precision, "bn_sync": config.bn_sync,
             "input": "pipeline" if pipeline_root else "on device", "img_per_s": steps * config.batch_size / seconds,
-            "ms_per_step": 1e3 * seconds / steps, "peak_bytes": peak_device_bytes(), **compiled_memory(step),
+            "ms_per_step": 1e3 * seconds / steps, "compile_s": compile_s, "peak_bytes": peak_device_bytes(), **compiled_memory(step),
             "loss": float(metrics["loss"])}
 
 
@@ -88,6 +90,8 @@ def main():
                         help="BatchNorm statistics per device (off), over the global batch (on), or a row of each")
     parser.add_argument("--pipeline", default=None, help="RecordIO folder to feed the step from")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 30; --small 2, --cpu 5)")
+    parser.add_argument("--only", action="append", default=[], help="KEY=VALUE: grid rows whose KEY (model, batch, "
+                        "classes, sample_rate, precision) is VALUE")
     parser.add_argument("--set", action="append", default=[], help="config override key=value")
     parser.add_argument("--out", default="benchmarks/results/train.json")
     args = parser.parse_args()
@@ -99,6 +103,7 @@ def main():
         grid = [(m, b, 1_000_000, 0.1, "bfloat16", 112) for m in ("r50", "r100") for b in (128, 256, 512)]
         grid += [("mbf", 512, 1_000_000, 0.1, "bfloat16", 112)]
         steps = 30
+    grid = select(grid, ["model", "batch", "classes", "sample_rate", "precision"], args.only)
     steps = args.steps or steps
     syncs = {"off": [False], "on": [True], "both": [False, True]}[args.bn_sync]
     rows = []
@@ -110,7 +115,7 @@ def main():
             config.num_features = 32
         rows.append(measure(config, steps, args.pipeline))
     print_table(rows, ["model", "batch", "classes", "sample_rate", "precision", "bn_sync", "input", "img_per_s",
-                       "ms_per_step", "peak_bytes", "temp_bytes"])
+                       "ms_per_step", "compile_s", "peak_bytes", "temp_bytes"])
     write_json(args.out, rows)
 
 

@@ -24,6 +24,7 @@ SCRIPTS = {
     "planner.py": {"model", "classes", "planner_GiB", "planner_parts", "device_GiB", "peak_GiB"},
     "gpu_plan.py": {"model", "gpus", "fixed_GiB", "bytes_per_class", "max_classes_75", "max_classes_95"},
     "gpu_program.py": {"program", "kind", "kernels", "result_MiB"},
+    "profile_step.py": {"program", "wall_ms", "device_ms", "fusion_ms"},
 }
 NEEDS = {"inference.py": "jax2onnx", "gpu_plan.py": "jax_plugins", "gpu_program.py": "jax_plugins"}
 

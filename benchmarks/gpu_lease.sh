@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One lease of a lent GPU (the workplace's `device` tool): set up, then run the named jobs in order, each in its own
+# process under a time limit, so that one failure or overrun costs only its own job. Logs and JSON go to $OUT
+# (log.txt, and results.tgz with every JSON written, rewritten after every job, so an overrun still returns what finished).
+#
+#   bash benchmarks/gpu_lease.sh 'train:model=r50 batch=128' 'torch:r50 128' ...
+#
+# Job forms: `train:KEY=VALUE ...` (benchmarks/train.py --only each pair), `torch:NETWORK BATCH` (arcface_torch's step
+# from .gpudata/bench, same classes, sample rate and fp16), `py:SCRIPT ARGS` (any benchmark script), `sh:COMMAND`.
+# JOB_LIMIT (seconds, default 300) bounds each job. Carry .whl (jaxcls's missing dependencies as cp312 wheels) and
+# .gpudata (../shared/bench copied in) with the call.
+set -u
+OUT=${OUT:-/tmp/out}
+RESULTS=/tmp/results
+mkdir -p "$OUT" "$RESULTS"
+exec > >(tee -a "$OUT/log.txt") 2>&1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
+export JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache  # a job that compiles what an earlier one did reuses it
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+python3 -c 'import jax, flax, optax; print("jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version__,
+jax.devices())'
+
+for job in "$@"; do
+  kind=${job%%:*}; spec=${job#*:}; name=$(echo "$kind-$spec" | tr -c 'A-Za-z0-9_.-' '_')
+  echo "=== $(date +%T) $job"
+  start=$SECONDS
+  case $kind in
+    train) only=(); for kv in $spec; do only+=(--only "$kv"); done
+           timeout "${JOB_LIMIT:-300}" python3 benchmarks/train.py "${only[@]}" --out "$RESULTS/$name.json" ;;
+    torch) read -r network batch <<< "$spec"
+           timeout "${JOB_LIMIT:-300}" python3 .gpudata/bench/arcface_torch_bench.py --network "$network" --batch "$batch" \
+             --classes 1000000 --sample-rate 0.1 --fp16 --out "$RESULTS/$name.json" ;;
+    py)    timeout "${JOB_LIMIT:-300}" python3 $spec ;;
+    sh)    timeout "${JOB_LIMIT:-300}" bash -c "$spec" ;;
+  esac
+  echo "=== $(date +%T) rc=$? after $((SECONDS - start)) s: $job"
+  tar czf "$OUT/results.tgz" "$RESULTS" benchmarks/results 2>/dev/null
+done
