@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # One lease of a lent GPU (the workplace's `device` tool): set up, then run the named jobs in order, each in its own
-# process under a time limit, so that one failure or overrun costs only its own job. Logs and JSON go to $OUT
-# (log.txt, and results.tgz with every JSON written, rewritten after every job, so an overrun still returns what finished).
+# process under a time limit, so that one failure or overrun costs only its own job. $OUT gets log.txt and
+# results.tgz (every JSON written so far, rewritten after each job, so an overrun still returns what finished).
 #
 #   bash benchmarks/gpu_lease.sh 'train:model=r50 batch=128' 'torch:r50 128' ...
 #
 # Job forms: `train:KEY=VALUE ...` (benchmarks/train.py --only each pair), `torch:NETWORK BATCH` (arcface_torch's step
 # from .gpudata/bench, same classes, sample rate and fp16), `py:SCRIPT ARGS` (any benchmark script), `sh:COMMAND`.
-# JOB_LIMIT (seconds, default 300) bounds each job. Carry .whl (jaxcls's missing dependencies as cp312 wheels) and
-# .gpudata (../shared/bench copied in) with the call.
+# JOB_LIMIT (seconds, default 300) bounds each job. Carry two git-ignored folders with the call:
+#   .whl      jaxcls's dependencies the GPU image lacks, as cp312 wheels: `pip download --no-deps --only-binary=:all:
+#             --python-version 3.12 --platform manylinux2014_x86_64 --platform any -d .whl ml_collections
+#             simplejpeg grain array-record portpicker`
+#   .gpudata  `cp -r ../shared/bench .gpudata/`, and for `--pipeline` jobs glyphs' train.rec, train.idx, property
 set -u
 OUT=${OUT:-/tmp/out}
 RESULTS=/tmp/results
@@ -29,7 +32,8 @@ for job in "$@"; do
     train) only=(); for kv in $spec; do only+=(--only "$kv"); done
            timeout "${JOB_LIMIT:-300}" python3 benchmarks/train.py "${only[@]}" --out "$RESULTS/$name.json" ;;
     torch) read -r network batch <<< "$spec"
-           timeout "${JOB_LIMIT:-300}" python3 .gpudata/bench/arcface_torch_bench.py --network "$network" --batch "$batch" \
+           timeout "${JOB_LIMIT:-300}" python3 .gpudata/bench/arcface_torch_bench.py \
+             --network "$network" --batch "$batch" \
              --classes 1000000 --sample-rate 0.1 --fp16 --out "$RESULTS/$name.json" ;;
     py)    timeout "${JOB_LIMIT:-300}" python3 $spec ;;
     sh)    timeout "${JOB_LIMIT:-300}" bash -c "$spec" ;;

@@ -9,7 +9,8 @@ launched them.
 XLA's command buffers are turned off (each kernel then names its HLO op; the step ran 1% faster with them on an H100).
 Per program: wall ms per step (median), device ms per step (kernel time summed over every stream, per step), and
 per kind (convolution, GEMM, fusion, collective, copy/transpose, sort, other) its ms per step; then the ``--top`` HLO
-ops by device time. On a CPU the "kernels" are XLA:CPU's thunks, timed on host threads.
+ops by device time, each with the JAX operation and source line it came from (the HLO's metadata). On a CPU the
+"kernels" are XLA:CPU's thunks, timed on host threads.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import collections
 import glob
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -61,6 +63,33 @@ def kind_of(op: str, kernel: str) -> str:
     return "fusion" if "fusion" in op else "other"
 
 
+def sources(hlo_text: str) -> dict[str, str]:
+    """Each HLO instruction's JAX origin from its metadata: ``name → "op_name (file:line)"``. The source line is
+    written inline (``source_file=… source_line=…``) or, in newer XLA, as a ``stack_frame_id`` into the module's
+    ``FileNames`` / ``FileLocations`` / ``StackFrames`` tables."""
+
+    def table(section):  # id → the rest of its line
+        body = re.search(rf"^{section}\n(.*?)(?:\n\n|\Z)", hlo_text, re.S | re.M)
+        return dict(line.split(" ", 1) for line in body.group(1).splitlines()) if body else {}
+
+    files, locations, frames = table("FileNames"), table("FileLocations"), table("StackFrames")
+    field = lambda text, key: re.search(rf"{key}=(\d+)", text).group(1)
+
+    def frame(frame_id):
+        location = locations[field(frames[frame_id], "file_location_id")]
+        return os.path.basename(files[field(location, "file_name_id")].strip('"')), field(location, "line")
+
+    found = {}
+    for m in re.finditer(r'^\s*(?:ROOT )?%?([\w.-]+) = .*?metadata=\{op_name="([^"]*)"([^}]*)\}', hlo_text, re.M):
+        name, op, rest = m.groups()
+        inline = re.search(r'source_file="([^"]*)" source_line=(\d+)', rest)
+        frame_id = re.search(r"stack_frame_id=(\d+)", rest)
+        where = ((os.path.basename(inline.group(1)), inline.group(2)) if inline
+                 else frame(frame_id.group(1)) if frame_id and frame_id.group(1) in frames else None)
+        found[name] = f"{op} ({where[0]}:{where[1]})" if where else op
+    return found
+
+
 def kernel_times(trace_dir: str) -> collections.Counter:
     """``(hlo_op, kernel) → ns`` over the trace: device streams where there are any, else host threads."""
     (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
@@ -79,7 +108,9 @@ def kernel_times(trace_dir: str) -> collections.Counter:
 
 
 def profile(step, state, batch, steps: int) -> tuple[dict, list]:
-    """Run ``step(state, *batch) → (state, out)``: wall ms per step, then ``steps`` steps under the profiler."""
+    """Run the compiled ``step(state, *batch) → (state, out)``: wall ms per step, then ``steps`` steps under the
+    profiler; the HLO ops by device time with their JAX origin."""
+    origin = sources(step.as_text())
     for _ in range(3):
         state, out = step(state, *batch)
     jax.block_until_ready(out)
@@ -103,7 +134,7 @@ def profile(step, state, batch, steps: int) -> tuple[dict, list]:
         ops[op] += ns / steps / 1e6
     row = {"wall_ms": statistics.median(walls), "device_ms": sum(per_kind.values()),
            **{f"{k}_ms": per_kind[k] for k in KINDS}}
-    return row, ops.most_common()
+    return row, [(op, ms, origin.get(op, "")) for op, ms in ops.most_common()]
 
 
 def main():
@@ -137,13 +168,15 @@ def main():
     step, init = plain_step(model, rows)
     plain_images = jnp.asarray(images / 127.5 - 1.0, jnp.bfloat16)
     plain_state = jax.jit(init)(jax.random.key(0), plain_images)
-    plain, plain_ops = profile(jax.jit(step, donate_argnums=0), plain_state,
-                               (plain_images, jnp.asarray(labels % rows)), args.steps)
+    plain_batch = (plain_images, jnp.asarray(labels % rows))
+    compiled = jax.jit(step, donate_argnums=0).lower(plain_state, *plain_batch).compile()
+    plain, plain_ops = profile(compiled, plain_state, plain_batch, args.steps)
 
     table = [dict(ours, program="jaxcls"), dict(plain, program=f"plain Flax, {rows:,} dense rows")]
     for name, ops in (("jaxcls", our_ops), ("plain Flax", plain_ops)):
         print(f"\n{name}: the {args.top} HLO ops with the most device time (ms per step)")
-        print_table([{"op": op, "ms": ms} for op, ms in ops[:args.top]], ["op", "ms"])
+        print_table([{"op": op, "ms": ms, "origin": origin[-90:]} for op, ms, origin in ops[:args.top]],
+                    ["op", "ms", "origin"])
     print(f"\n{args.model}, batch {args.batch}, {config.num_classes:,} classes, PartialFC {config.sample_rate}, "
           f"{jax.devices()[0].device_kind}")
     print_table(table, ["program", "wall_ms", "device_ms", *(f"{k}_ms" for k in KINDS)])

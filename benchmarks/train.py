@@ -78,7 +78,8 @@ def measure(config, steps, pipeline_root=None, warmup=3, devices=None):
     return {"model": config.model, "batch": config.batch_size, "classes": config.num_classes,
             "sample_rate": config.sample_rate, "precision": config.precision, "bn_sync": config.bn_sync,
             "input": "pipeline" if pipeline_root else "on device", "img_per_s": steps * config.batch_size / seconds,
-            "ms_per_step": 1e3 * seconds / steps, "compile_s": compile_s, "peak_bytes": peak_device_bytes(), **compiled_memory(step),
+            "ms_per_step": 1e3 * seconds / steps,
+            "compile_s": compile_s, "peak_bytes": peak_device_bytes(), **compiled_memory(step),
             "loss": float(metrics["loss"])}
 
 

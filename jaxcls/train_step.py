@@ -73,7 +73,8 @@ class Trainer:
         return new, metrics
 
     def _embed(self, state, images):
-        """Embeddings ``[B, D]`` in the compute dtype, the new BatchNorm statistics, and ``d_emb ↦ backbone gradients``.
+        """Embeddings ``[B, D]`` in the compute dtype, the new BatchNorm statistics, and
+        ``d_emb ↦ backbone gradients``.
 
         With ``accum_steps > 1`` the backbone runs micro-batch by micro-batch, forward only (keeping just
         the embeddings); the gradient function runs each micro-batch's forward again under ``jax.vjp``, so

@@ -5,7 +5,9 @@ workers and the subprocesses of CLI and benchmark tests), so the identical train
 evaluators that many tests build compile once per run. The cache is deleted when the run ends.
 
 Random tests take a generator from the ``rng`` fixture, freshly seeded per test; the seed is printed and recorded in the
-test's report, and ``JAXCLS_TEST_SEED=<seed>`` gives every test that seed, to replay a failure.
+test's report, and ``JAXCLS_TEST_SEED=<seed>`` gives every test that seed, to replay a failure. ``--only-rng`` runs
+just those tests, for a sweep over seeds:
+``for s in $(seq 1 20); do JAXCLS_TEST_SEED=$s python -m pytest -q --only-rng || break; done``.
 """
 
 import os
@@ -51,6 +53,17 @@ def without_plugin_log(text: str) -> str:
 def pytest_sessionfinish(session):
     if not hasattr(session.config, "workerinput"):  # the controller (or a run without xdist), after all workers
         shutil.rmtree(COMPILATION_CACHE, ignore_errors=True)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--only-rng", action="store_true", help="run only the tests that draw from the rng fixture")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--only-rng"):
+        chosen = [item for item in items if "rng" in getattr(item, "fixturenames", ())]
+        config.hook.pytest_deselected(items=[item for item in items if item not in chosen])
+        items[:] = chosen
 
 
 @pytest.fixture

@@ -26,15 +26,19 @@ def photo(rng, size=32, frame=0):
 
 
 def test_draws_are_uniform_deterministic_and_each_column_its_own_stream(rng):
-    seed, positions = int(rng.integers(2**32)), rng.integers(0, 2**40, 4000)
+    n = 16_000
+    seed, positions = int(rng.integers(2**32)), rng.integers(0, 2**40, n)
     u = draws(seed, positions, aug.NUM_DRAWS)
-    assert u.shape == (4000, aug.NUM_DRAWS) and u.dtype == np.float64 and u.min() >= 0 and u.max() < 1
+    assert u.shape == (n, aug.NUM_DRAWS) and u.dtype == np.float64 and u.min() >= 0 and u.max() < 1
     np.testing.assert_array_equal(u, draws(seed, positions, aug.NUM_DRAWS))
     np.testing.assert_array_equal(u[7:9, :3], draws(seed, positions[7:9], 3))  # per position, not per call
     assert np.all(np.abs(u.mean(0) - 0.5) < 0.03) and np.all(np.abs(u.var(0) - 1 / 12) < 0.01)
-    assert np.all(np.abs(np.corrcoef(u.T) - np.eye(aug.NUM_DRAWS)) < 0.06)  # columns uncorrelated
+    # a sample correlation of independent columns has standard deviation 1/√n: 6 of them are exceeded by one of the
+    # 210 pairs in fewer than one run in a million (0.06 with n = 4,000 failed at seed 20 of a 20-seed sweep)
+    bound = 6 / np.sqrt(n)
+    assert np.all(np.abs(np.corrcoef(u.T) - np.eye(aug.NUM_DRAWS)) < bound)  # columns uncorrelated
     coins = flip_coins(seed, positions)
-    assert abs(np.corrcoef(coins, u[:, 0])[0, 1]) < 0.06  # the flip coin is a stream of its own
+    assert abs(np.corrcoef(coins, u[:, 0])[0, 1]) < bound  # the flip coin is a stream of its own
     assert np.mean(draws(seed + 1, positions, 1) == u[:, :1]) < 0.01
     assert sorted(c for cols in aug.COLUMNS.values() for c in cols) == list(range(aug.NUM_DRAWS))
 
