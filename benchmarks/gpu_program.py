@@ -24,7 +24,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only GPUs: no CUDA driver is needed, none is started
 
 from common import print_table, write_json  # noqa: E402
-from plain_step import PlainIResNet, plain_program  # noqa: E402
+from plain_step import plain_model, plain_program  # noqa: E402
 
 from jaxcls import gpu_target  # noqa: E402
 from jaxcls.hlo import KERNEL_KINDS, kernels  # noqa: E402
@@ -68,7 +68,7 @@ def main():
     device = gpu_target.gpu_devices(args.target, 1)[0]
     overrides = {k: ast.literal_eval(v) for k, v in (item.split("=", 1) for item in args.set)}
     config, ours = jaxcls_program(overrides, args.small, device)
-    model = PlainIResNet((2, 2, 2, 2), 8, 32) if args.small else PlainIResNet()
+    model = plain_model(args.small)
     plain = plain_program(config.batch_size, config.data.input_size, 4096 if args.small else 100_000, model, device)
     rows = []
     for name, compiled in (("jaxcls", ours), ("plain Flax", plain)):

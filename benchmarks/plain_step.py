@@ -42,6 +42,11 @@ class PlainIResNet(nn.Module):
         return nn.BatchNorm(use_running_average=False, use_scale=False)(x.astype(jnp.float32))
 
 
+def plain_model(small: bool) -> PlainIResNet:
+    """IResNet-50, or for the benchmarks' ``--small`` modes a narrow (2, 2, 2, 2) one with 32-d embeddings."""
+    return PlainIResNet((2, 2, 2, 2), 8, 32) if small else PlainIResNet()
+
+
 def plain_step(model: PlainIResNet, rows: int):
     """The reference step ``(trainable, stats, momenta), images, labels → same, loss`` and its
     ``init(key, images) → state`` (``rows`` FC rows, all in every step)."""

@@ -38,7 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from common import print_table, write_json  # noqa: E402
 from jax.profiler import ProfileData  # noqa: E402
-from plain_step import PlainIResNet, plain_step  # noqa: E402
+from plain_step import plain_model, plain_step  # noqa: E402
 from train import step_config  # noqa: E402
 
 from jaxcls.run import build  # noqa: E402
@@ -126,11 +126,9 @@ def profile(step, state, batch, steps: int) -> tuple[dict, list]:
                 state, out = step(state, *batch)
             jax.block_until_ready(out)
         times = kernel_times(trace_dir)
-    per_kind = collections.Counter()
+    per_kind, ops = collections.Counter(), collections.Counter()
     for (op, kernel), ns in times.items():
         per_kind[kind_of(op, kernel)] += ns / steps / 1e6
-    ops = collections.Counter()
-    for (op, _), ns in times.items():
         ops[op] += ns / steps / 1e6
     row = {"wall_ms": statistics.median(walls), "device_ms": sum(per_kind.values()),
            **{f"{k}_ms": per_kind[k] for k in KINDS}}
@@ -164,8 +162,7 @@ def main():
     ours, our_ops = profile(run.compile_step(state), state, (jnp.asarray(images), jnp.asarray(labels)), args.steps)
 
     rows = max(1, round(config.num_classes * config.sample_rate))
-    model = PlainIResNet((2, 2, 2, 2), 8, 32) if args.small else PlainIResNet()
-    step, init = plain_step(model, rows)
+    step, init = plain_step(plain_model(args.small), rows)
     plain_images = jnp.asarray(images / 127.5 - 1.0, jnp.bfloat16)
     plain_state = jax.jit(init)(jax.random.key(0), plain_images)
     plain_batch = (plain_images, jnp.asarray(labels % rows))

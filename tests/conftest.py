@@ -61,9 +61,11 @@ def pytest_addoption(parser):
 
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--only-rng"):
-        chosen = [item for item in items if "rng" in getattr(item, "fixturenames", ())]
-        config.hook.pytest_deselected(items=[item for item in items if item not in chosen])
-        items[:] = chosen
+        kept, dropped = [], []
+        for item in items:
+            (kept if "rng" in getattr(item, "fixturenames", ()) else dropped).append(item)
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
 
 
 @pytest.fixture
