@@ -26,6 +26,7 @@ from jaxcls.losses.margins import MARGINS, CombinedMargin
 from jaxcls.mesh import (CLASS_AXES, batch_sharding, class_shards, host_rows, make_mesh, replicated,
                          weight_sharding)
 from jaxcls.models import get_model, one_off_compile_options
+from jaxcls.models.layers import BatchNorm
 from jaxcls.optimizers import lr_schedule, make_optimizers
 from jaxcls.precision import DynamicLossScale, compute_dtype
 from jaxcls.sparse_fc import SparseState
@@ -148,6 +149,10 @@ def build(config, devices=None, with_data: bool = True) -> Run:
     dtype, fc_dtype = compute_dtype(config.precision), compute_dtype(config.fc_dtype)
     groups = bn_groups(config, mesh)
     abstract_model = nnx.eval_shape(lambda: make_model(config, dtype, bn_groups=groups))
+    if mesh.size > groups:  # bn_sync over several devices: two-pass statistics (BatchNorm.one_pass)
+        for _, module in nnx.iter_graph(abstract_model):
+            if isinstance(module, BatchNorm):
+                module.one_pass = False
     graphdef = split_model(abstract_model)[0]
     abstract_model.eval()
     eval_graphdef = split_model(abstract_model)[0]

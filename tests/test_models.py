@@ -203,12 +203,14 @@ def grouped_batchnorm_reference(x, scale, bias, mean, var, g, groups, momentum=0
             (new_mean, new_var))
 
 
+@pytest.mark.parametrize("one_pass", [True, False])
 @pytest.mark.parametrize("groups", [1, 4])
-def test_batchnorm_in_groups_matches_float64_per_group_reference(groups, rng):
+def test_batchnorm_in_groups_matches_float64_per_group_reference(groups, one_pass, rng):
     x, g = rng.normal(1.0, 2.0, (8, 3, 3, 5)), rng.normal(size=(8, 3, 3, 5))
     scale, bias = rng.uniform(0.5, 2, 5), rng.normal(size=5)
     mean, var = rng.normal(size=5), rng.uniform(0.5, 2, 5)
     bn = BatchNorm(5, groups=groups)
+    bn.one_pass = one_pass
     for variable, value in ((bn.scale, scale), (bn.bias, bias), (bn.mean, mean), (bn.var, var)):
         variable.set_value(jnp.asarray(value, jnp.float32))
     graphdef, params, stats = nnx.split(bn, nnx.Param, ...)
@@ -227,6 +229,15 @@ def test_batchnorm_in_groups_matches_float64_per_group_reference(groups, rng):
         assert rel_err(actual, expected) < 1e-5
     with pytest.raises(ValueError, match="BatchNorm in 4 groups needs a batch divisible by it, got 6"):
         BatchNorm(5, groups=4)(jnp.zeros((6, 5)))
+
+
+def test_batchnorm_statistics_of_a_large_mean_do_not_cancel(rng):
+    """One read gives the mean and variance as the moments of ``x − shift`` (the first sample's mean): with a mean
+    500 times the spread, ``E[x²] − E[x]²`` in float32 would lose the variance's leading digits."""
+    x = rng.normal(500.0, 1.0, (64, 2, 2, 3))
+    out = BatchNorm(3)(jnp.asarray(x, jnp.float32))
+    expected = (x - x.mean((0, 1, 2))) / np.sqrt(x.var((0, 1, 2)) + 1e-5)
+    assert rel_err(out, expected) < 1e-4
 
 
 def einsum_attention(block, x):
