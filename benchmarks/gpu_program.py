@@ -45,17 +45,22 @@ def jaxcls_program(overrides: dict, small: bool, device):
 
 
 def summary(compiled) -> tuple[list[dict], list]:
-    """Per kind: kernels per step and their result MiB; and every float32 kernel result of 1 MiB or more."""
+    """Per kind: kernels per step, their result MiB and the GiB they read and write; every float32 kernel result
+    of 1 MiB or more; and the JAX source lines whose kernels move the most bytes."""
     found = kernels(compiled.as_text())
-    counts, sizes = collections.Counter(), collections.Counter()
+    counts, sizes, moved, by_line = (collections.Counter() for _ in range(4))
     for k in found:
         counts[k.kind] += k.count
         sizes[k.kind] += k.result_bytes * k.count
+        moved[k.kind] += k.moved_bytes * k.count
+        backward = "backward " if "transpose(" in k.origin else ""  # JAX names a gradient's ops transpose(…)
+        by_line[f"{k.kind}: {backward}{k.origin.split('/')[-1]}"] += k.moved_bytes * k.count
     conv = collections.Counter(f"{k.dtype} {k.detail}" for k in found if k.kind == "cuDNN convolution")
-    rows = [{"kind": kind, "kernels": counts[kind], "result_MiB": sizes[kind] / 2**20} for kind in KERNEL_KINDS]
+    rows = [{"kind": kind, "kernels": counts[kind], "result_MiB": sizes[kind] / 2**20,
+             "moved_GiB": moved[kind] / 2**30} for kind in KERNEL_KINDS]
     float32 = sorted(((k.name, k.result_bytes * k.count / 2**20) for k in found
                       if k.dtype == "f32" and k.result_bytes >= 2**20), key=lambda x: -x[1])
-    return rows, [conv, float32]
+    return rows, [conv, float32, by_line.most_common(12)]
 
 
 def main():
@@ -72,14 +77,16 @@ def main():
     plain = plain_program(config.batch_size, config.data.input_size, 4096 if args.small else 100_000, model, device)
     rows = []
     for name, compiled in (("jaxcls", ours), ("plain Flax", plain)):
-        table, (conv, float32) = summary(compiled)
+        table, (conv, float32, lines) = summary(compiled)
         memory = compiled.memory_analysis()
         rows += [dict(r, program=name) for r in table]
         print(f"\n{name}: {memory.temp_size_in_bytes / 2**30:.2f} GiB temporaries; convolutions: {dict(conv)}")
         print("float32 results of 1 MiB or more (name, MiB per step): "
               + (", ".join(f"{n} {m:.0f}" for n, m in float32[:12]) or "none"))
+        print("source lines whose kernels read and write the most (GiB per step): "
+              + ", ".join(f"{line} {b / 2**30:.2f}" for line, b in lines))
     print()
-    print_table(rows, ["program", "kind", "kernels", "result_MiB"])
+    print_table(rows, ["program", "kind", "kernels", "result_MiB", "moved_GiB"])
     write_json(args.out, rows)
 
 

@@ -19,7 +19,6 @@ import argparse
 import collections
 import glob
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -41,6 +40,7 @@ from jax.profiler import ProfileData  # noqa: E402
 from plain_step import plain_model, plain_step  # noqa: E402
 from train import step_config  # noqa: E402
 
+from jaxcls.hlo import origins  # noqa: E402
 from jaxcls.run import build  # noqa: E402
 
 KINDS = ("convolution", "GEMM", "fusion", "collective", "copy/transpose", "sort", "other")
@@ -63,33 +63,6 @@ def kind_of(op: str, kernel: str) -> str:
     return "fusion" if "fusion" in op else "other"
 
 
-def sources(hlo_text: str) -> dict[str, str]:
-    """Each HLO instruction's JAX origin from its metadata: ``name → "op_name (file:line)"``. The source line is
-    written inline (``source_file=… source_line=…``) or, in newer XLA, as a ``stack_frame_id`` into the module's
-    ``FileNames`` / ``FileLocations`` / ``StackFrames`` tables."""
-
-    def table(section):  # id → the rest of its line
-        body = re.search(rf"^{section}\n(.*?)(?:\n\n|\Z)", hlo_text, re.S | re.M)
-        return dict(line.split(" ", 1) for line in body.group(1).splitlines()) if body else {}
-
-    files, locations, frames = table("FileNames"), table("FileLocations"), table("StackFrames")
-    field = lambda text, key: re.search(rf"{key}=(\d+)", text).group(1)
-
-    def frame(frame_id):
-        location = locations[field(frames[frame_id], "file_location_id")]
-        return os.path.basename(files[field(location, "file_name_id")].strip('"')), field(location, "line")
-
-    found = {}
-    for m in re.finditer(r'^\s*(?:ROOT )?%?([\w.-]+) = .*?metadata=\{op_name="([^"]*)"([^}]*)\}', hlo_text, re.M):
-        name, op, rest = m.groups()
-        inline = re.search(r'source_file="([^"]*)" source_line=(\d+)', rest)
-        frame_id = re.search(r"stack_frame_id=(\d+)", rest)
-        where = ((os.path.basename(inline.group(1)), inline.group(2)) if inline
-                 else frame(frame_id.group(1)) if frame_id and frame_id.group(1) in frames else None)
-        found[name] = f"{op} ({where[0]}:{where[1]})" if where else op
-    return found
-
-
 def kernel_times(trace_dir: str) -> collections.Counter:
     """``(hlo_op, kernel) → ns`` over the trace: device streams where there are any, else host threads."""
     (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
@@ -110,7 +83,7 @@ def kernel_times(trace_dir: str) -> collections.Counter:
 def profile(step, state, batch, steps: int) -> tuple[dict, list]:
     """Run the compiled ``step(state, *batch) → (state, out)``: wall ms per step, then ``steps`` steps under the
     profiler; the HLO ops by device time with their JAX origin."""
-    origin = sources(step.as_text())
+    origin = origins(step.as_text())
     for _ in range(3):
         state, out = step(state, *batch)
     jax.block_until_ready(out)

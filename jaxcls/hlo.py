@@ -9,7 +9,9 @@ run of the program executes it (inside while loops of known trip count: the prod
 
 from __future__ import annotations
 
+import collections
 import math
+import os
 import re
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -190,8 +192,13 @@ def cross_host_bytes(c: Collective, hosts: Sequence[int]) -> list[int]:
 
 class Kernel(NamedTuple):
     """One instruction that the GPU runs as its own kernel (or library call): ``kind`` (``KERNEL_KINDS``), its
-    name, the dtype and bytes of its (first) result, how many times one run executes it, and for library calls
-    what was called (cuDNN target and layout)."""
+    name, the dtype and bytes of its (first) result, how many times one run executes it, for library calls
+    what was called (cuDNN target and layout), the bytes of all its operands and results per execution, and the
+    JAX operation it came from (``origins``).
+
+    ``moved_bytes`` is what a memory-bound kernel reads and writes: a fusion's parameters whole or what its
+    slices and gathers take of them, its result whole or, updated in place, the update; other kernels their
+    operands and results whole."""
 
     kind: str
     name: str
@@ -199,6 +206,8 @@ class Kernel(NamedTuple):
     result_bytes: int
     count: int
     detail: str = ""
+    moved_bytes: int = 0
+    origin: str = ""
 
 
 KERNEL_KINDS = ("cuDNN convolution", "GEMM", "fusion", "copy/transpose", "collective", "sort", "other")
@@ -241,15 +250,97 @@ def _kernel_kind(op: str, name: str, line: str) -> str:
     return {"copy": "copy/transpose", "transpose": "copy/transpose", "sort": "sort"}.get(op, "other")
 
 
+def _bytes(shape: str) -> int:
+    """Bytes of every array in an HLO shape (one array or a tuple)."""
+    return sum(math.prod(int(d) for d in dims.split(",") if d) * _BYTES.get(t, 0) for t, dims in _SHAPE.findall(shape))
+
+
+def _operands(line: str, start: int) -> list[str]:
+    """Names of the operands of the instruction ``line`` whose argument list opens at ``start``."""
+    depth = 1
+    for end in range(start, len(line)):
+        depth += {"(": 1, ")": -1}.get(line[end], 0)
+        if depth == 0:
+            return re.findall(r"%([\w.\-]+)", line[start:end])
+    return []
+
+
+_PARTIAL_READS = ("slice", "dynamic-slice", "gather")
+_IN_PLACE = {"scatter": 2, "dynamic-update-slice": 1}  # an op that updates its operand 0 → its update's operand
+
+
+def _fusion_moved(body: list[str], result_shape: str) -> int:
+    """Bytes a fusion reads and writes: each parameter whole, or only what its slices and gathers take (through
+    bitcasts and conversions); the result whole, or, where the fusion scatters into (or updates a slice of) a
+    parameter in place, just the update."""
+    shapes, users, params, root = {}, collections.defaultdict(list), [], None
+    for line in body:
+        if not (match := _INSTRUCTION.match(line)):
+            continue
+        name, shape, op = match.groups()
+        operands = _operands(line, match.end())
+        shapes[name] = shape
+        for operand in operands:
+            users[operand].append((name, op, shape, operands))
+        params += [name] * (op == "parameter")
+        root = (op, operands) if line.lstrip().startswith("ROOT") else root
+
+    def read(name: str) -> int:
+        whole, taken = _bytes(shapes[name]), 0
+        for user, op, shape, operands in users[name] or [("", "", "", [])]:
+            if op in ("bitcast", "convert"):  # element for element: the part of it read, in this one's dtype
+                taken += read(user) * whole // max(_bytes(shape), 1)
+            elif op in _PARTIAL_READS and operands[0] == name:
+                taken += _bytes(shape)
+            else:
+                return whole
+        return min(taken, whole)
+
+    written, in_place = _bytes(result_shape), None
+    if root and root[0] in _IN_PLACE and root[1][0] in params:
+        in_place, written = root[1][0], _bytes(shapes.get(root[1][_IN_PLACE[root[0]]], ""))
+    return written + sum(read(p) for p in params if p != in_place)
+
+
+def origins(hlo_text: str) -> dict[str, str]:
+    """Each HLO instruction's JAX origin from its metadata: ``name → "op_name (file:line)"``. The source line is
+    written inline (``source_file=… source_line=…``) or, in newer XLA, as a ``stack_frame_id`` into the module's
+    ``FileNames`` / ``FileLocations`` / ``StackFrames`` tables."""
+
+    def table(section):  # id → the rest of its line
+        body = re.search(rf"^{section}\n(.*?)(?:\n\n|\Z)", hlo_text, re.S | re.M)
+        return dict(line.split(" ", 1) for line in body.group(1).splitlines()) if body else {}
+
+    files, locations, frames = table("FileNames"), table("FileLocations"), table("StackFrames")
+    field = lambda text, key: re.search(rf"{key}=(\d+)", text).group(1)
+
+    def frame(frame_id):
+        location = locations[field(frames[frame_id], "file_location_id")]
+        return os.path.basename(files[field(location, "file_name_id")].strip('"')), field(location, "line")
+
+    found = {}
+    for m in re.finditer(r'^\s*(?:ROOT )?%?([\w.-]+) = .*?metadata=\{op_name="([^"]*)"([^}]*)\}', hlo_text, re.M):
+        name, op, rest = m.groups()
+        inline = re.search(r'source_file="([^"]*)" source_line=(\d+)', rest)
+        frame_id = re.search(r"stack_frame_id=(\d+)", rest)
+        where = ((os.path.basename(inline.group(1)), inline.group(2)) if inline
+                 else frame(frame_id.group(1)) if frame_id and frame_id.group(1) in frames else None)
+        found[name] = f"{op} ({where[0]}:{where[1]})" if where else op
+    return found
+
+
 def kernels(hlo_text: str) -> list[Kernel]:
     """Every kernel of a compiled GPU program's HLO text (instructions of the scheduled computations that launch
     work; control flow, tuples, bitcasts and async ``-done`` halves left out), with its execution count."""
     bodies, entry = _computations(hlo_text)
-    executions = _executions(bodies, entry)
+    executions, origin = _executions(bodies, entry), origins(hlo_text)
     found = []
     for computation in _scheduled(bodies, entry):
+        shapes = {}
         for line in bodies[computation]:
             match = _INSTRUCTION.match(line)
+            if match:
+                shapes[match.group(1)] = match.group(2)
             if not match or match.group(3) in _NOT_KERNELS or match.group(3).endswith("-done"):
                 continue
             name, shape, op = match.groups()
@@ -257,6 +348,9 @@ def kernels(hlo_text: str) -> list[Kernel]:
             size = math.prod(int(d) for d in dims.split(",") if d) * _BYTES.get(dtype, 0)
             detail = " ".join(m.group(1) for m in (re.search(r'custom_call_target="([^"]*)"', line),
                                                     re.search(r"dim_labels=([^,]+)", line)) if m)
+            fused = re.search(r"calls=%?([\w.\-]+)", line) if op == "fusion" else None
+            moved = (_fusion_moved(bodies[fused.group(1)], shape) if fused and fused.group(1) in bodies else
+                     _bytes(shape) + sum(_bytes(shapes.get(o, "")) for o in _operands(line, match.end())))
             found.append(Kernel(_kernel_kind(op, name, line), name, dtype, size, executions.get(computation, 1),
-                                detail))
+                                detail, moved, origin.get(name, "")))
     return found

@@ -23,7 +23,7 @@ SCRIPTS = {
     "inference.py": {"runtime", "model", "batch", "img_per_s", "max_rel_err"},
     "planner.py": {"model", "classes", "planner_GiB", "planner_parts", "device_GiB", "peak_GiB"},
     "gpu_plan.py": {"model", "gpus", "fixed_GiB", "bytes_per_class", "max_classes_75", "max_classes_95"},
-    "gpu_program.py": {"program", "kind", "kernels", "result_MiB"},
+    "gpu_program.py": {"program", "kind", "kernels", "result_MiB", "moved_GiB"},
     "profile_step.py": {"program", "wall_ms", "device_ms", "fusion_ms"},
 }
 NEEDS = {"inference.py": "jax2onnx", "gpu_plan.py": "jax_plugins", "gpu_program.py": "jax_plugins"}

@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxcls import make_mesh
-from jaxcls.hlo import Collective, collectives, cross_host_bytes
+from jaxcls.hlo import Collective, collectives, cross_host_bytes, kernels
 
 HLO = """
   %ag = f32[64,32]{1,0} all-gather(f32[16,32]{1,0} %x), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}
@@ -99,3 +99,46 @@ def test_counts_the_executions_of_a_collective_inside_a_loop():
     x = jax.ShapeDtypeStruct((2, 4 * 6), jnp.float32, sharding=NamedSharding(mesh, P("data", "class")))
     found = [c for c in collectives(f.lower(x).compile().as_text()) if c.op == "all-reduce"]
     assert sum(c.count for c in found) == 5, found
+
+
+def test_kernels_count_the_bytes_they_read_and_write_and_name_their_source_line():
+    def body(x, y):  # one fused kernel per iteration, reading x and y and writing x
+        return jax.lax.fori_loop(0, 3, lambda i, x: jnp.sin(x) * y, x)
+
+    x = jax.ShapeDtypeStruct((1000,), jnp.float32)
+    line = body.__code__.co_firstlineno + 1
+    found = [k for k in kernels(jax.jit(body).lower(x, x).compile().as_text()) if k.result_bytes == 4000]
+    (fused,) = [k for k in found if k.kind == "fusion"]
+    assert fused.count == 3 and fused.moved_bytes == 3 * 4000, fused
+    assert fused.origin.endswith(f"/mul (test_hlo.py:{line})"), fused.origin
+
+
+FUSED = """
+%fused_slice (p0: bf16[64,8]) -> f32[1,8] {
+  %p0 = bf16[64,8]{1,0} parameter(0)
+  %c = f32[64,8]{1,0} convert(%p0)
+  ROOT %s = f32[1,8]{1,0} slice(%c), slice={[0:1], [0:8]}
+}
+
+%fused_scatter (q0: f32[1000,8], q1: s32[4,1], q2: f32[4,8]) -> f32[1000,8] {
+  %q0 = f32[1000,8]{1,0} parameter(0)
+  %q1 = s32[4,1]{1,0} parameter(1)
+  %q2 = f32[4,8]{1,0} parameter(2)
+  ROOT %sc = f32[1000,8]{1,0} scatter(%q0, %q1, %q2), update_window_dims={1}, to_apply=%add
+}
+
+ENTRY %main (a: bf16[64,8], t: f32[1000,8], i: s32[4,1], u: f32[4,8]) -> (f32[1,8], f32[1000,8]) {
+  %a = bf16[64,8]{1,0} parameter(0)
+  %t = f32[1000,8]{1,0} parameter(1)
+  %i = s32[4,1]{1,0} parameter(2)
+  %u = f32[4,8]{1,0} parameter(3)
+  %first = f32[1,8]{1,0} fusion(%a), kind=kLoop, calls=%fused_slice
+  %update = f32[1000,8]{1,0} fusion(%t, %i, %u), kind=kInput, calls=%fused_scatter
+  ROOT %out = (f32[1,8]{1,0}, f32[1000,8]{1,0}) tuple(%first, %update)
+}
+"""
+
+
+def test_fusions_count_what_their_slices_take_and_what_they_scatter_in_place():
+    moved = {k.name: k.moved_bytes for k in kernels(FUSED)}
+    assert moved == {"first": 8 * 2 + 8 * 4, "update": 4 * 4 + 4 * 8 * 4 + 4 * 8 * 4}, moved
