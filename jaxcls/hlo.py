@@ -193,8 +193,8 @@ def cross_host_bytes(c: Collective, hosts: Sequence[int]) -> list[int]:
 class Kernel(NamedTuple):
     """One instruction that the GPU runs as its own kernel (or library call): ``kind`` (``KERNEL_KINDS``), its
     name, the dtype and bytes of its (first) result, how many times one run executes it, for library calls
-    what was called (cuDNN target and layout), the bytes of all its operands and results per execution, and the
-    JAX operation it came from (``origins``).
+    what was called (cuDNN target and layout), the bytes it reads and writes per execution, and the JAX
+    operation it came from (``origins``).
 
     ``moved_bytes`` is what a memory-bound kernel reads and writes: a fusion's parameters whole or what its
     slices and gathers take of them, its result whole or, updated in place, the update; other kernels their
@@ -287,7 +287,9 @@ def _fusion_moved(body: list[str], result_shape: str) -> int:
 
     def read(name: str) -> int:
         whole, taken = _bytes(shapes[name]), 0
-        for user, op, shape, operands in users[name] or [("", "", "", [])]:
+        if not users[name]:
+            return whole
+        for user, op, shape, operands in users[name]:
             if op in ("bitcast", "convert"):  # element for element: the part of it read, in this one's dtype
                 taken += read(user) * whole // max(_bytes(shape), 1)
             elif op in _PARTIAL_READS and operands[0] == name:
