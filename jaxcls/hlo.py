@@ -136,6 +136,11 @@ def _groups(line: str) -> tuple[tuple[int, ...], ...]:
     return ()
 
 
+def _arrays(shape: str) -> list[tuple[str, int]]:
+    """``(dtype, elements)`` of every array in an HLO shape (one array or a tuple)."""
+    return [(dtype, math.prod(int(d) for d in dims.split(",") if d)) for dtype, dims in _SHAPE.findall(shape)]
+
+
 def collectives(hlo_text: str) -> list[Collective]:
     """Every collective instruction of a compiled program's HLO text, in program order."""
     bodies, entry = _computations(hlo_text)
@@ -146,8 +151,7 @@ def collectives(hlo_text: str) -> list[Collective]:
             match = _OP.search(line)
             if not match:
                 continue
-            shapes = [(dtype, math.prod(int(d) for d in dims.split(",") if d)) for dtype, dims in
-                      _SHAPE.findall(match.group(1))]
+            shapes = _arrays(match.group(1))
             pairs = _PAIRS.search(line)
             found.append(Collective(op=match.group(2), largest=max((n for _, n in shapes), default=1),
                                     result_bytes=sum(n * _BYTES[dtype] for dtype, n in shapes), groups=_groups(line),
@@ -252,7 +256,7 @@ def _kernel_kind(op: str, name: str, line: str) -> str:
 
 def _bytes(shape: str) -> int:
     """Bytes of every array in an HLO shape (one array or a tuple)."""
-    return sum(math.prod(int(d) for d in dims.split(",") if d) * _BYTES.get(t, 0) for t, dims in _SHAPE.findall(shape))
+    return sum(n * _BYTES.get(dtype, 0) for dtype, n in _arrays(shape))
 
 
 def _operands(line: str, start: int) -> list[str]:
@@ -346,8 +350,8 @@ def kernels(hlo_text: str) -> list[Kernel]:
             if not match or match.group(3) in _NOT_KERNELS or match.group(3).endswith("-done"):
                 continue
             name, shape, op = match.groups()
-            dtype, dims = (_SHAPE.findall(shape) or [("", "")])[0]
-            size = math.prod(int(d) for d in dims.split(",") if d) * _BYTES.get(dtype, 0)
+            dtype, elements = (_arrays(shape) or [("", 0)])[0]
+            size = elements * _BYTES.get(dtype, 0)
             detail = " ".join(m.group(1) for m in (re.search(r'custom_call_target="([^"]*)"', line),
                                                     re.search(r"dim_labels=([^,]+)", line)) if m)
             fused = re.search(r"calls=%?([\w.\-]+)", line) if op == "fusion" else None

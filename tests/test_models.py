@@ -232,8 +232,8 @@ def test_batchnorm_in_groups_matches_float64_per_group_reference(groups, one_pas
 
 
 def test_batchnorm_statistics_of_a_large_mean_do_not_cancel(rng):
-    """One read gives the mean and variance as the moments of ``x − shift`` (the first sample's mean): with a mean
-    500 times the spread, ``E[x²] − E[x]²`` in float32 would lose the variance's leading digits."""
+    """One read gives the mean and variance as the moments of ``x − shift`` (each channel's first value): with a
+    mean 500 times the spread, ``E[x²] − E[x]²`` in float32 would lose the variance's leading digits."""
     x = rng.normal(500.0, 1.0, (64, 2, 2, 3))
     out = BatchNorm(3)(jnp.asarray(x, jnp.float32))
     expected = (x - x.mean((0, 1, 2))) / np.sqrt(x.var((0, 1, 2)) + 1e-5)
