@@ -91,6 +91,26 @@ def test_the_records_are_those_mxnet_wrote_for_glyphs(tmp_path):
     assert (tmp_path / "out" / "property").read_text() == (GLYPHS / "property").read_text().replace("1500", "3")
 
 
+def test_some_identities_of_a_recordio_folder_are_repacked_numbered_from_zero(tmp_path):
+    root, images = folder(tmp_path)
+    main(["--images", str(root), "--out", str(tmp_path / "all")])
+    main(["--images", str(tmp_path / "all"), "--classes", "1:3", "--out", str(tmp_path / "bc")])
+    ds = MXFaceDataset(tmp_path / "bc")
+    assert ds.num_classes() == 2 and (tmp_path / "bc" / "property").read_text() == "2,20,24\n"
+    assert [ds.raw(i) for i in range(len(ds))] == [(images["b", "0.jpg"], 0), (images["b", "1.jpg"], 0),
+                                                  (images["c", "z.jpeg"], 1)]
+    assert [payload_header(ds, k)[4] for k in (4, 5)] == [(1.0, 3.0), (3.0, 4.0)]  # each identity's keys
+
+
+@pytest.mark.parametrize("classes, message", [("2:1", "expected A:B with 0 <= A < B"), ("1", "expected A:B"),
+                                              ("a:b", "expected A:B"), ("1:4", "the input has identities 0..2 only")])
+def test_a_bad_class_range_is_named(tmp_path, classes, message):
+    root, _ = folder(tmp_path)
+    with pytest.raises(SystemExit, match=f"^error: --classes '?{classes}'?: {message}"):
+        main(["--images", str(root), "--classes", classes, "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_command_line(tmp_path):
     root, _ = folder(tmp_path)
     run = [sys.executable, "-m", "jaxcls.data.pack", "--images", str(root), "--out", str(tmp_path / "out")]

@@ -2,10 +2,13 @@
 
     python -m jaxcls.data.pack --images DIR --out OUT            # DIR/<class>/<image>
     python -m jaxcls.data.pack --images train.tsv --out OUT      # path<TAB>label lines
+    python -m jaxcls.data.pack --images REC --classes 0:750 --out OUT   # some identities of a RecordIO folder
 
 A folder's classes are numbered in sorted name order (as ``jaxcls.data.sources.ImageFolder`` does); a list holds
 ``path<TAB>label`` lines (PaddlePaddle PLSC's label files; relative paths start at the list's folder, blank lines
-are skipped) whose labels must be ``0 … K−1`` with every one used.
+are skipped) whose labels must be ``0 … K−1`` with every one used. A RecordIO folder (``train.rec``, ``train.idx``)
+is read as ``jaxcls.data.recordio.MXFaceDataset`` reads it; ``--classes A:B`` keeps identities ``A … B−1`` of any
+input, numbered ``0 … B−A−1`` (a model pretrained on some identities, fine-tuned on others).
 
 The files are what insightface's tools write and ``MXFaceDataset`` reads: record 0 is a header (``flag = 2``, labels
 ``(N+1, N+K+1)``); records ``1 … N`` are the images sorted by label (a class's images in their listed order), each
@@ -22,12 +25,13 @@ import io
 import os
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import tqdm
 from PIL import Image
 
-from jaxcls.data.recordio import DataError, decode_image, pack, write_records
+from jaxcls.data.recordio import DataError, MXFaceDataset, decode_image, pack, write_records
 from jaxcls.data.sources import ImageFolder
 
 
@@ -55,6 +59,36 @@ def listed_images(path: str | os.PathLike) -> tuple[list[Path], list[int]]:
     return files, labels
 
 
+class RecordImage(NamedTuple):
+    """Image ``index`` of a RecordIO folder, read as the packer reads an image file."""
+    dataset: MXFaceDataset
+    index: int
+
+    def read_bytes(self) -> bytes:
+        return self.dataset.raw(self.index)[0]
+
+    def __str__(self) -> str:
+        return self.dataset.where(self.index)
+
+
+def record_images(root: str | os.PathLike) -> tuple[list[RecordImage], list[int]]:
+    """A RecordIO folder → (its images, their labels)."""
+    dataset = MXFaceDataset(root)
+    return [RecordImage(dataset, i) for i in range(len(dataset))], dataset.labels().tolist()
+
+
+def keep_classes(files: list, labels: list[int], classes: str) -> tuple[list, list[int]]:
+    """The images of identities ``A … B−1`` (``classes`` is ``"A:B"``), labelled ``0 … B−A−1``."""
+    first, _, end = classes.partition(":")
+    if not (first.isdigit() and end.isdigit() and int(first) < int(end)):
+        raise ValueError(f"--classes {classes!r}: expected A:B with 0 <= A < B")
+    first, end = int(first), int(end)
+    if end > max(labels) + 1:
+        raise ValueError(f"--classes {classes}: the input has identities 0..{max(labels)} only")
+    kept = [i for i, label in enumerate(labels) if first <= label < end]
+    return [files[i] for i in kept], [labels[i] - first for i in kept]
+
+
 def check_labels(labels: list[int], where: str) -> int:
     """The number of classes ``K``: labels must be ``0 … K−1`` with every one used, else a ``DataError`` naming the
     missing ones."""
@@ -66,8 +100,9 @@ def check_labels(labels: list[int], where: str) -> int:
     return num_classes
 
 
-def stored_image(path: Path, quality: int) -> tuple[bytes, tuple[int, int]]:
-    """The bytes to store for one image file (JPEG as it is, else encoded as JPEG) and its ``(height, width)``."""
+def stored_image(path: Path | RecordImage, quality: int) -> tuple[bytes, tuple[int, int]]:
+    """The bytes to store for one image file or record (JPEG as it is, else encoded as JPEG) and its
+    ``(height, width)``."""
     try:
         data = path.read_bytes()
     except OSError as e:
@@ -116,7 +151,9 @@ def pack_images(files: list[Path], labels: list[int], out: str | os.PathLike, qu
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m jaxcls.data.pack", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--images", required=True, help="a folder DIR/<class>/<image>, or a path<TAB>label list")
+    parser.add_argument("--images", required=True,
+                        help="a folder DIR/<class>/<image>, a path<TAB>label list, or a RecordIO folder (train.rec)")
+    parser.add_argument("--classes", help="A:B keeps identities A..B-1 only, numbered 0..B-A-1")
     parser.add_argument("--out", required=True, help="the folder to write train.rec, train.idx and property into")
     parser.add_argument("--quality", type=int, default=95, help="JPEG quality for images that are not JPEG (1-100)")
     args = parser.parse_args(argv)
@@ -125,7 +162,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if not Path(args.images).exists():
             raise FileNotFoundError(f"{args.images}: no such folder or list")
-        files, labels = (folder_images if Path(args.images).is_dir() else listed_images)(args.images)
+        source = Path(args.images)
+        read = (record_images if (source / "train.rec").exists() else folder_images) if source.is_dir() else \
+            listed_images
+        files, labels = read(source)
+        if args.classes:
+            files, labels = keep_classes(files, labels, args.classes)
         n, num_classes, (h, w) = pack_images(files, labels, args.out, args.quality, where=args.images)
     except (DataError, OSError, ValueError) as e:
         sys.exit(f"error: {e}")
