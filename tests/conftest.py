@@ -13,6 +13,7 @@ just those tests, for a sweep over seeds:
 import os
 import re
 import shutil
+import socket
 import tempfile
 
 # No LLVM optimization: the tests' programs are small and run a few times, so compiling dominates (a quarter less
@@ -48,6 +49,12 @@ _PLUGIN_LOG = re.compile(r"^(WARNING: All log messages before absl::InitializeLo
 
 def without_plugin_log(text: str) -> str:
     return _PLUGIN_LOG.sub("", text)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def pytest_sessionfinish(session):

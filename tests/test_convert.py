@@ -7,6 +7,8 @@ with arcface_torch's input convention (RGB, (x/255 − 0.5)/0.5, NCHW 112×112).
 
 import functools
 import importlib.util
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from conftest import free_port
 from jaxcls.checkpoint import CheckpointError
 from jaxcls.convert import (ARCFACE_MODELS, arcface_name, import_torch, jaxcls_to_torch, run_config, torch_keys,
                             torch_to_jaxcls, write_run)
@@ -318,3 +321,33 @@ def test_import_torch_reads_the_file_and_names_it_in_errors(tmp_path):
     with pytest.raises(DataError, match=rf"^{tmp_path / 'mbf.pth'}: 5 tensor\(s\) of another shape .*--num_features"):
         import_torch(tmp_path / "mbf.pth", "mbf", tmp_path / "run", num_features=128)
     assert not (tmp_path / "run").exists()  # nothing written
+
+
+@pytest.mark.slow  # a PyTorch training and whole backbones in both frameworks
+@pytest.mark.skipif(not (GLYPHS / "train.rec").exists(), reason=f"the glyphs data set is not at {GLYPHS}")
+def test_a_model_trained_by_arcface_torch_code_imports_and_embeds_as_pytorch(tmp_path):
+    """benchmarks/arcface_torch_train.py (arcface_torch's step, here on the CPU) writes a backbone whose weights and
+    BatchNorm statistics were trained, not drawn; benchmarks/torch_agreement.py imports it and finds jaxcls's
+    embeddings equal to insightface's PyTorch model (the scripts of the GPU fine-tuning demonstration)."""
+    from jaxcls.data.pack import main as pack
+    pack(["--images", str(GLYPHS), "--classes", "0:4", "--out", str(tmp_path / "a")])
+    # one device, as on the GPU the scripts are for (8 simulated CPU devices also cost 8 times XLA:CPU's memory)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"MASTER_PORT": str(free_port())}
+    script = lambda name, *args: subprocess.run(
+        [sys.executable, str(Path(__file__).resolve().parents[1] / "benchmarks" / name), *map(str, args)],
+        capture_output=True, text=True, timeout=600, env=env)
+    done = script("arcface_torch_train.py", "--data", tmp_path / "a", "--network", "mbf", "--epochs", 2, "--batch", 16,
+                  "--insightface", INSIGHTFACE, "--out", tmp_path / "mbf.pth", "--log", tmp_path / "train.json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    log = json.loads((tmp_path / "train.json").read_text())
+    assert (log["classes"], log["images"], log["steps"]) == (4, 48, 6) and all(map(np.isfinite, log["loss_per_epoch"]))
+    trained = load_state_dict(tmp_path / "mbf.pth")
+    assert not np.allclose(trained["conv_sep.layers.1.running_var"], 1)  # BatchNorm statistics moved from their start
+
+    done = script("torch_agreement.py", "--pth", tmp_path / "mbf.pth", "--network", "mbf", "--images",
+                  tmp_path / "a" / "train.rec", "--n", 4, "--insightface", INSIGHTFACE, "--out", tmp_path / "agree.json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {row["embeddings"]: row for row in json.loads((tmp_path / "agree.json").read_text())["rows"]}
+    assert len(rows) == 4 and all(row["images"] == 4 for row in rows.values())
+    for name, row in rows.items():  # PyTorch's float32 and jaxcls's against PyTorch's float64
+        assert row["one_minus_min_cosine"] <= 1 - COSINE and row["max_relative_error"] <= RELATIVE, name

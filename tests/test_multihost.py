@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import COMPILATION_CACHE
+from conftest import COMPILATION_CACHE, free_port
 from jaxcls.checkpoint import RunCheckpoints
 from jaxcls.mesh import make_mesh
 from jaxcls.sparse_fc import SparseState
@@ -35,12 +34,6 @@ HEARTBEAT = 10  # seconds: the dead-peer bound these tests run with
 TRAIN = ["jaxcls.train", "--config", "tests/tiny.py", "--config.total_steps=12", "--config.mesh_data=2",
          "--config.class_axes=class", "--config.sample_rate=0.5", "--config.eval_every=6", "--config.ckpt_every=6",
          "--config.bn_sync=True"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(num_processes: int, args: list[str], logs: Path, module: bool = True) -> list[subprocess.Popen]:

@@ -1,0 +1,85 @@
+"""Embeddings of an arcface_torch backbone in PyTorch and after `jaxcls.convert --torch`, on this machine's device.
+
+    python benchmarks/torch_agreement.py --pth backbone.pth --network r50 --images glyphs/train.rec [--n 256]
+
+The reference is insightface's `get_model(network)` in float64 on the CPU, in eval mode. Against it: PyTorch on the
+device in float32 (TF32 off, then PyTorch's default, where cuDNN convolutions may use TF32) and `jaxcls.embed`'s
+embedder of the converted run (JAX's default matmul precision, then "highest"). Per row: 1 − the lowest cosine and the
+largest max |got − want| / max |want| over the embeddings (tests/test_convert.py's measure, there on the CPU).
+Images are read and resized by `jaxcls.embed`'s loader and given to both frameworks as `(x/255 − 0.5)/0.5`, NCHW.
+insightface's code comes from --insightface (default ../shared/bench/insightface).
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+import jax
+import numpy as np
+import torch
+from common import print_table, write_json
+
+from jaxcls.convert import import_torch
+from jaxcls.embed import embed_images, image_source
+from jaxcls.inference import open_embedder
+from jaxcls.torch_pth import load_state_dict
+
+INSIGHTFACE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "bench", "insightface")
+
+
+def agreement(got, want) -> dict:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    cosine = np.sum(got * want, 1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+    return {"one_minus_min_cosine": float(1 - cosine.min()),
+            "max_relative_error": float(np.max(np.abs(got - want).max(1) / np.abs(want).max(1)))}
+
+
+def torch_embeddings(model, images: np.ndarray, device: str, dtype, tf32: bool) -> np.ndarray:
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = tf32
+    x = torch.from_numpy(images.transpose(0, 3, 1, 2).astype(np.float64) / 255 * 2 - 1)
+    model = model.to(device=device, dtype=dtype)
+    with torch.no_grad():
+        return model(x.to(device=device, dtype=dtype)).double().cpu().numpy()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--pth", required=True)
+    p.add_argument("--network", default="r50")
+    p.add_argument("--images", required=True, help="what jaxcls.embed reads: a folder, a .rec file, a list")
+    p.add_argument("--n", type=int, default=256)
+    p.add_argument("--insightface", default=INSIGHTFACE)
+    p.add_argument("--out", help="JSON of the rows")
+    args = p.parse_args()
+    sys.path.insert(0, args.insightface)
+    from backbones import get_model
+
+    workdir = tempfile.mkdtemp(prefix="torch_agreement-")
+    import_torch(args.pth, args.network, workdir)
+    embedder = open_embedder(workdir)
+    names, loaders = image_source(args.images, embedder.input_size)
+    images = np.stack([load() for load in loaders[:args.n]])
+    model = get_model(args.network).eval()
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in load_state_dict(args.pth).items()}, strict=True)
+    want = torch_embeddings(model, images, "cpu", torch.float64, False)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = [{"embeddings": f"PyTorch {device} float32, TF32 off", **agreement(
+                torch_embeddings(model, images, device, torch.float32, False), want)},
+            {"embeddings": f"PyTorch {device} float32, its default TF32 setting", **agreement(
+                torch_embeddings(model, images, device, torch.float32, True), want)}]
+    for precision in ("default", "highest"):
+        with jax.default_matmul_precision(precision):
+            got = embed_images(open_embedder(workdir), loaders[:args.n], names[:args.n],
+                              batch_size=min(args.n, 256), progress=False)[0]
+        rows.append({"embeddings": f"jaxcls {jax.devices()[0].platform} float32, matmul precision {precision}",
+                     **agreement(got, want)})
+    print(f"{args.network} from {args.pth}, {len(images)} images of {args.images}; reference: PyTorch float64 CPU")
+    print_table(rows, ["embeddings", "one_minus_min_cosine", "max_relative_error"])
+    if args.out:
+        write_json(args.out, [dict(row, network=args.network, images=len(images), torch=torch.__version__)
+                              for row in rows])
+
+
+if __name__ == "__main__":
+    main()
