@@ -47,9 +47,9 @@ def step_config(model, batch, fc_dtype, rate, gpus, small):
 
 def row(spec, target, small) -> dict:
     from jaxcls import gpu_target
-    from jaxcls.memory import fit_classes, probe_rows, step_memory
+    from jaxcls.memory import fit_classes, probe_rows
     from jaxcls.mesh import class_shards
-    from jaxcls.plan import target_devices
+    from jaxcls.plan import compiled_memory, target_devices
     from jaxcls.run import build
 
     model, batch, fc_dtype, rate, gpus = spec
@@ -59,10 +59,7 @@ def row(spec, target, small) -> dict:
     compiled, cublas = {}, {}
 
     def memory_at(classes):
-        config.num_classes = classes
-        run = build(config, devices, with_data=False)
-        program, cublas[classes] = gpu_target.compile_step(run, run.abstract_state)
-        compiled[classes] = step_memory(run, program)
+        _, compiled[classes], cublas[classes] = compiled_memory(config, devices, target, classes)
         return compiled[classes]
 
     head = build(config, devices, with_data=False).trainer.head

@@ -53,6 +53,16 @@ def _plugin_version() -> str | None:
     return None
 
 
+def missing_plugin() -> str | None:
+    """Why this machine cannot compile for a GPU (the plugin is absent, or of another version than jaxlib, which
+    JAX ignores), with the command that fixes it; ``None`` if it can."""
+    if not any(importlib.util.find_spec(p.split(".")[0]) and importlib.util.find_spec(p) for p in PLUGINS):
+        return f"compiling for a GPU needs JAX's CUDA plugin, which is not installed: {install_command()}"
+    if (version := _plugin_version()) not in (None, jax.lib.__version__):
+        return f"JAX's CUDA plugin is version {version}, jaxlib {jax.lib.__version__}: {install_command()}"
+    return None
+
+
 def compiler() -> str:
     """Which compiler produces the programs: the plugin's package and version."""
     return f"XLA:GPU (CUDA plugin {_plugin_version()}, jaxlib {jax.lib.__version__})"
@@ -96,12 +106,8 @@ def gpu_devices(name: str, count: int, per_host: int = GPUS_PER_HOST) -> list:
     if count < 1 or (count > per_host and count % per_host):
         raise ValueError(f"{count} GPUs: give at most {per_host} (one host) or a multiple of {per_host} (hosts of "
                          f"{per_host})")
-    if not any(importlib.util.find_spec(p.split(".")[0]) and importlib.util.find_spec(p) for p in PLUGINS):
-        raise MissingPlugin(f"compiling for a GPU needs JAX's CUDA plugin, which is not installed: "
-                            f"{install_command()}")
-    if (version := _plugin_version()) not in (None, jax.lib.__version__):  # JAX ignores a plugin of another version
-        raise MissingPlugin(f"JAX's CUDA plugin is version {version}, jaxlib {jax.lib.__version__}: "
-                            f"{install_command()}")
+    if problem := missing_plugin():
+        raise MissingPlugin(problem)
     hosts, per_host = (1, count) if count <= per_host else (count // per_host, per_host)
     text, dropped = target_config(name), []
     with tempfile.TemporaryDirectory() as tmp:

@@ -126,19 +126,26 @@ class Plan:
                 "max_classes_total_bytes": self.max_classes_total, "summary": self.summary, "notes": self.notes}
 
 
+def compiled_memory(config, devices: list, target: str, num_classes: int | None = None):
+    """``(run, its step's bytes per device, whether XLA:GPU took cuBLAS GEMMs)``: ``config`` (at ``num_classes`` if
+    given) built for ``devices`` of ``target`` (``target_devices``) and compiled by that target's compiler."""
+    c = config.copy_and_resolve_references()
+    c.num_classes = config.num_classes if num_classes is None else num_classes
+    run = build(c, devices, with_data=False)
+    if target == "cpu":
+        return run, step_memory(run), False
+    compiled, fell_back = gpu_target.compile_step(run, run.abstract_state)
+    return run, step_memory(run, compiled), fell_back
+
+
 def plan(config, devices: list, device_memory: int, max_classes: bool = False, target: str = "cpu") -> Plan:
     """Compile ``config``'s step for ``devices`` (``target_devices``) and size it against ``device_memory``."""
     cublas = []  # whether a GPU compile had to take cuBLAS for its GEMMs
 
     def memory_at(num_classes=None):
-        c = config.copy_and_resolve_references()
-        c.num_classes = config.num_classes if num_classes is None else num_classes
-        run = build(c, devices, with_data=False)
-        if target == "cpu":
-            return run, step_memory(run)
-        compiled, fell_back = gpu_target.compile_step(run, run.abstract_state)
+        run, memory, fell_back = compiled_memory(config, devices, target, num_classes)
         cublas.append(fell_back)
-        return run, step_memory(run, compiled)
+        return run, memory
 
     run, memory = memory_at()
     if target == "cpu":

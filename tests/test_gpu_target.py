@@ -3,7 +3,6 @@ collective that grows with the class count, cuDNN convolutions in the compute dt
 ``memory_analysis()``; the planner's command line on a GPU target. Needs JAX's CUDA plugin (CI installs it)."""
 
 import functools
-import importlib.util
 import json
 import re
 import subprocess
@@ -18,10 +17,7 @@ from jaxcls.memory import step_memory
 from jaxcls.run import build
 from tiny import get_config
 
-needs_plugin = pytest.mark.skipif(
-    importlib.util.find_spec("jax_plugins") is None
-    or not any(importlib.util.find_spec(p) for p in gpu_target.PLUGINS),
-    reason=f"JAX's CUDA plugin is not installed: {gpu_target.install_command()}")
+needs_plugin = pytest.mark.skipif(gpu_target.missing_plugin() is not None, reason=str(gpu_target.missing_plugin()))
 ROWS = (2**12, 2**13)  # FC rows per device of the two compiles
 D = 32  # tiny.py's embedding size
 
