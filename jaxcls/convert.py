@@ -8,8 +8,10 @@ statistics, with a fresh one-class placeholder FC and optimizer state, so that `
 ``.pth`` that ``get_model(name).load_state_dict(torch.load(path), strict=True)`` takes, written without torch.
 
 Models (arcface_torch name → jaxcls): r18 r34 r50 r100 r200 → the IResNet of the same name (64 wide); mbf → mbf;
-mbf_large → mbf with ``model_kwargs`` ``blocks=(2, 8, 12, 4), scale=4``. The conversion is exact: both frameworks
-compute the same functions (same BatchNorm epsilon 1e-5, layer order and padding); only the layouts differ:
+mbf_large → mbf with ``model_kwargs`` ``blocks=(2, 8, 12, 4), scale=4``; vit_t vit_s vit_b (and the WebFace42M
+variants ``vit_t_dp005_mask0`` … ``vit_l_dp005_mask_005``, ``vit_h``) → the ViT of that size, its drop-path and mask
+ratios in ``model_kwargs``. The conversion is exact: both frameworks compute the same functions (same BatchNorm and
+LayerNorm epsilons, layer order and padding; the ViT's tokens in the same row-major order); only the layouts differ:
 
 * convolutions: torch ``weight [O, I/groups, kH, kW]`` ↔ jaxcls ``kernel [kH, kW, I/groups, O]``;
 * linear layers: ``weight [out, in]`` ↔ ``kernel [in, out]``;
@@ -18,6 +20,7 @@ compute the same functions (same BatchNorm epsilon 1e-5, layer order and padding
 * BatchNorm ``weight, bias, running_mean, running_var`` ↔ ``scale, bias, mean, var``; ``num_batches_tracked`` is
   read and dropped (written back as 0); the IResNet's ``features`` BatchNorm has a weight frozen at 1 in torch and
   no scale in jaxcls: the file's must be all ones;
+* LayerNorm ``weight, bias`` ↔ ``scale, bias``; the ViT's ``pos_embed`` and ``mask_token`` as they are;
 * PReLU ``weight`` ↔ ``alpha``; blocks after the first of an IResNet stage (``layerK.1…``) ↔ one stacked
   ``rests[K-1].layers`` array per variable; MobileFaceNet's nested ``Residual`` groups ↔ jaxcls's flat ``layers``.
 
@@ -44,6 +47,7 @@ from jaxcls.data.recordio import DataError
 from jaxcls.inference import restore_backbone
 from jaxcls.models import get_model
 from jaxcls.models.iresnet import STAGES
+from jaxcls.models.vit import SIZES as VIT_SIZES
 from jaxcls.reporting import configure_logging, run_cli
 from jaxcls.run import build, make_model, split_model
 from jaxcls.torch_pth import load_state_dict, save_pth
@@ -54,13 +58,15 @@ ARCFACE_MODELS = {
     **{name: (name, {}) for name in ("r18", "r34", "r50", "r100", "r200")},
     "mbf": ("mbf", {}),
     "mbf_large": ("mbf", {"blocks": (2, 8, 12, 4), "scale": 4}),
+    # the ViTs' drop-path and mask ratios are training settings no state dict records: kept for fine-tuning
+    **{name: (name, {}) for name in ("vit_t", "vit_s", "vit_b")},
+    "vit_t_dp005_mask0": ("vit_t", {"drop_path": 0.05, "mask_ratio": 0.0}),
+    "vit_s_dp005_mask_0": ("vit_s", {"drop_path": 0.05, "mask_ratio": 0.0}),
+    "vit_b_dp005_mask_005": ("vit_b", {"drop_path": 0.05, "mask_ratio": 0.05}),
+    "vit_l_dp005_mask_005": ("vit_l", {"drop_path": 0.05, "mask_ratio": 0.05}),
+    "vit_h": ("vit_h", {"mask_ratio": 0.0}),
 }
-UNSUPPORTED = {  # arcface_torch backbones this converter does not take, and why
-    "r2060": "jaxcls has no IResNet-2060",
-    **{name: "jaxcls's ViTs are not mapped onto arcface_torch's (their layouts were never checked against each other)"
-       for name in ("vit_t", "vit_t_dp005_mask0", "vit_s", "vit_s_dp005_mask_0", "vit_b", "vit_b_dp005_mask_005",
-                    "vit_l_dp005_mask_005", "vit_h")},
-}
+UNSUPPORTED = {"r2060": "jaxcls has no IResNet-2060"}  # arcface_torch backbones this converter does not take, and why
 INPUT_SIZE = 112  # arcface_torch's backbones are built for 112×112 (IResNet fc_scale 7·7, MobileFaceNet's 7×7 GDC)
 SPATIAL = INPUT_SIZE // 16
 
@@ -69,22 +75,28 @@ class Layer(NamedTuple):
     """One torch module (``torch`` prefix of its keys) and the jaxcls module holding it (``jax`` path; ``index``: its
     row in a stacked ``BlockStack`` variable, else None)."""
 
-    kind: str  # conv | bn | bn_unit_scale | prelu | linear | fc_nchw
+    kind: str  # conv | conv_bias | bn | bn_unit_scale | prelu | linear | linear_bias | fc_nchw | ln | param
     torch: str
     jax: tuple
     index: int | None = None
 
 
-# per kind: (torch leaf, jaxcls leaf or None, transform)
+# per kind: (torch leaf, jaxcls leaf or None, transform); "" for a parameter that is the module's own (its key and
+# path are the layer's)
 _BN = [("weight", "scale", "same"), ("bias", "bias", "same"), ("running_mean", "mean", "same"),
        ("running_var", "var", "same"), ("num_batches_tracked", None, "count")]
+_BIAS = ("bias", "bias", "same")
 LEAVES = {
     "conv": [("weight", "kernel", "conv")],
+    "conv_bias": [("weight", "kernel", "conv"), _BIAS],
     "bn": _BN,
     "bn_unit_scale": [("weight", None, "ones")] + _BN[1:],
     "prelu": [("weight", "alpha", "same")],
     "linear": [("weight", "kernel", "linear")],
-    "fc_nchw": [("weight", "kernel", "fc_nchw"), ("bias", "bias", "same")],
+    "linear_bias": [("weight", "kernel", "linear"), _BIAS],
+    "fc_nchw": [("weight", "kernel", "fc_nchw"), _BIAS],
+    "ln": [("weight", "scale", "same"), _BIAS],
+    "param": [("", "", "same")],
 }
 
 
@@ -129,11 +141,28 @@ def _mbf_layers(blocks) -> list[Layer]:
         Layer("linear", "features.layers.2", ("linear",)), Layer("bn", "features.layers.3", ("features",))]
 
 
+def vit_layers(depth: int) -> list[Layer]:
+    """arcface_torch's ``VisionTransformer`` of ``depth`` blocks (any width): its modules in torch's order (the
+    model's own parameters first, then its children as registered)."""
+    out = [Layer("param", "pos_embed", ("pos_embed",)), Layer("param", "mask_token", ("mask_token",)),
+           Layer("conv_bias", "patch_embed.proj", ("patch_embed",))]
+    for i in range(depth):
+        t, j = f"blocks.{i}.", ("blocks", i)
+        out += [Layer("ln", t + "norm1", j + ("norm1",)), Layer("ln", t + "norm2", j + ("norm2",)),
+                Layer("linear", t + "attn.qkv", j + ("qkv",)), Layer("linear_bias", t + "attn.proj", j + ("proj",)),
+                Layer("linear_bias", t + "mlp.fc1", j + ("fc1",)), Layer("linear_bias", t + "mlp.fc2", j + ("fc2",))]
+    return out + [Layer("ln", "norm", ("norm",)), Layer("linear", "feature.0", ("head_fc1",)),
+                  Layer("bn", "feature.1", ("head_bn1",)), Layer("linear", "feature.2", ("head_fc2",)),
+                  Layer("bn", "feature.3", ("head_bn2",))]
+
+
 def arcface_layers(name: str) -> list[Layer]:
     """arcface_torch backbone ``name``'s modules, in torch's order, each with its jaxcls module."""
     jax_name, kwargs = jaxcls_model(name)
     if jax_name == "mbf":
         return _mbf_layers(kwargs.get("blocks", (1, 4, 6, 2)))
+    if jax_name.startswith("vit"):
+        return vit_layers(VIT_SIZES[jax_name][1])
     return _iresnet_layers(STAGES[jax_name])
 
 
@@ -148,7 +177,7 @@ def jaxcls_model(name: str) -> tuple[str, dict]:
 
 def torch_keys(name: str) -> list[str]:
     """The keys of arcface_torch backbone ``name``'s ``state_dict()``, in its order."""
-    return [f"{layer.torch}.{leaf}" for layer in arcface_layers(name) for leaf, _, _ in LEAVES[layer.kind]]
+    return [key for key, *_ in _slots(arcface_layers(name))]
 
 
 # ---- layouts ------------------------------------------------------------------------------------------------------
@@ -189,10 +218,10 @@ def _slots(layers: list[Layer]):
     """``(torch key, jaxcls path, stack index, transform, layer)`` for every tensor of the state dict."""
     for layer in layers:
         for leaf, jax_leaf, transform in LEAVES[layer.kind]:
-            path = None if jax_leaf is None else layer.jax + (jax_leaf,)
+            path = None if jax_leaf is None else layer.jax + (jax_leaf,) if jax_leaf else layer.jax
             if transform == "ones":  # shaped like the BatchNorm's bias
                 path = layer.jax + ("bias",)
-            yield f"{layer.torch}.{leaf}", path, layer.index, transform
+            yield f"{layer.torch}.{leaf}" if leaf else layer.torch, path, layer.index, transform
 
 
 def _flat(state) -> dict:
@@ -235,12 +264,13 @@ def torch_to_jaxcls(state: Mapping[str, np.ndarray], model: str, num_features: i
 
 
 def load_torch_state(state: Mapping[str, np.ndarray], name: str, make: Callable[[], nnx.Module], *,
-                     source: str = "the state dict") -> nnx.Module:
+                     source: str = "the state dict", layers: list[Layer] | None = None) -> nnx.Module:
     """``make()``'s jaxcls model (built abstractly, never initialised: its RNG state alone is computed) with every
-    parameter and BatchNorm statistic from arcface_torch ``name``'s ``state``; in eval mode."""
+    parameter and BatchNorm statistic from arcface_torch ``name``'s ``state``; in eval mode. ``layers``: the mapping,
+    if not ``name``'s (e.g. ``vit_layers(depth)`` for a ViT of another size)."""
     state = strip_module_prefix(state)
-    layers = arcface_layers(name)
-    _check_keys(state, name, source)
+    layers = arcface_layers(name) if layers is None else layers
+    _check_keys(state, name, source, [key for key, *_ in _slots(layers)])
     graphdef, params, stats, rest = _abstract_model(make)
     targets = {**_flat(params), **_flat(stats)}
     values, filled, shape_errors = {}, {}, []
@@ -311,9 +341,10 @@ def _listing(items: list[str], limit: int = 20) -> str:
     return ", ".join(items[:limit]) + (f" … and {len(items) - limit} more" if len(items) > limit else "")
 
 
-def _check_keys(state: Mapping, name: str, source: str) -> None:
-    """``DataError`` listing the missing and unexpected keys, with a guess at what the file holds."""
-    expected = torch_keys(name)
+def _check_keys(state: Mapping, name: str, source: str, expected: list[str] | None = None) -> None:
+    """``DataError`` listing the missing and unexpected keys (against ``name``'s unless ``expected`` is given), with a
+    guess at what the file holds."""
+    expected = torch_keys(name) if expected is None else expected
     known = set(expected)
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in known]
@@ -413,6 +444,14 @@ def arcface_name(config) -> str:
                 return name
         raise ValueError(f"mbf with blocks {shape[0]} and scale {shape[1]} is neither arcface_torch's mbf nor "
                          "mbf_large")
+    if config.model in VIT_SIZES:
+        if kwargs.get("act", "relu6") != "relu6" or kwargs.get("patch", 9) != 9:
+            raise ValueError(f"arcface_torch's ViTs take 9×9 patches and ReLU6; this run's {config.model} has "
+                             f"{kwargs.get('patch', 9)}×{kwargs.get('patch', 9)} and {kwargs.get('act', 'relu6')}")
+        # drop path and masking are training settings: any of the names with this size holds the same state dict
+        names = [name for name, (model, _) in ARCFACE_MODELS.items() if model == config.model]
+        same = [name for name in names if ARCFACE_MODELS[name][1] == kwargs]
+        return (same or names)[0]
     raise ValueError(f"jaxcls model {config.model!r} has no arcface_torch counterpart here; convertible: "
                      + ", ".join(ARCFACE_MODELS))
 

@@ -145,7 +145,7 @@ converted = functools.cache(convert)  # for the small models that several tests 
 
 
 @pytest.mark.slow  # whole backbones in PyTorch and XLA
-@pytest.mark.parametrize("name", list(ARCFACE_MODELS))
+@pytest.mark.parametrize("name", [name for name in ARCFACE_MODELS if not name.startswith("vit")])  # ViTs: below
 def test_converted_backbone_embeds_as_insightface(name):
     model, state, converted_model = converted(name) if name in ("r18", "mbf") else convert(name)
     assert list(state) == torch_keys(name)  # the mapping's keys are insightface's, in its order
@@ -235,8 +235,7 @@ def test_mapping_errors_name_the_tensors():
         to_jaxcls(dict(state, **{"features.weight": np.full(512, 2, np.float32)}))
     with pytest.raises(DataError, match=r"conv1\.weight: int64 values"):
         to_jaxcls(dict(state, **{"conv1.weight": state["conv1.weight"].astype(np.int64)}))
-    for name, reason in [("r2060", "jaxcls has no IResNet-2060"), ("vit_t", "ViTs are not mapped"),
-                         ("resnet", "not an arcface_torch backbone")]:
+    for name, reason in [("r2060", "jaxcls has no IResNet-2060"), ("resnet", "not an arcface_torch backbone")]:
         with pytest.raises(ValueError, match=f"cannot convert arcface_torch model '{name}': .*{reason}"):
             to_jaxcls(state, name)
 
@@ -344,10 +343,67 @@ def test_a_model_trained_by_arcface_torch_code_imports_and_embeds_as_pytorch(tmp
     trained = load_state_dict(tmp_path / "mbf.pth")
     assert not np.allclose(trained["conv_sep.layers.1.running_var"], 1)  # BatchNorm statistics moved from their start
 
-    done = script("torch_agreement.py", "--pth", tmp_path / "mbf.pth", "--network", "mbf", "--images",
-                  tmp_path / "a" / "train.rec", "--n", 4, "--insightface", INSIGHTFACE, "--out", tmp_path / "agree.json")
+    done = script("torch_agreement.py", "--pth", tmp_path / "mbf.pth", "--network", "mbf", "--n", 4, "--images",
+                  tmp_path / "a" / "train.rec", "--insightface", INSIGHTFACE, "--out", tmp_path / "agree.json")
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {row["embeddings"]: row for row in json.loads((tmp_path / "agree.json").read_text())["rows"]}
     assert len(rows) == 4 and all(row["images"] == 4 for row in rows.values())
     for name, row in rows.items():  # PyTorch's float32 and jaxcls's against PyTorch's float64
         assert row["one_minus_min_cosine"] <= 1 - COSINE and row["max_relative_error"] <= RELATIVE, name
+
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+def test_a_vit_converts_as_insightface_computes_it():
+    """insightface's own ViT (arcface_torch's backbones/vit.py, narrow: 32 wide, 2 blocks, 4 heads, 16-d; random
+    weights, LayerNorm and BatchNorm values) wrote vit_reference.pth and its embeddings of four glyph images
+    (tests/fixtures/make_vit_reference.py): the mapping of any depth gives the same embeddings, and a ViT whose qkv
+    heads were read in another order does not."""
+    from jaxcls.convert import load_torch_state, vit_layers
+    from jaxcls.models.vit import VisionTransformer
+    state, reference = load_state_dict(FIXTURES / "vit_reference.pth"), np.load(FIXTURES / "vit_reference.npz")
+    make = lambda: VisionTransformer(32, 2, 4, num_features=16, rngs=nnx.Rngs(0))
+    model = load_torch_state(state, "vit_t", make, source="vit_reference.pth", layers=vit_layers(2))
+    x = reference["images"].astype(np.float32) / 255 * 2 - 1  # arcface_torch's input, NHWC for jaxcls
+    want = reference["embeddings"]
+    check_agreement("narrow ViT", np.asarray(model(x)), want)
+    # the heads of qkv's output as (head, q/k/v, dim) instead of (q/k/v, head, dim): other embeddings
+    shuffled = {k: (v.reshape(3, 4, 8, -1).transpose(1, 0, 2, 3).reshape(v.shape) if k.endswith("qkv.weight") else v)
+                for k, v in state.items()}
+    other = load_torch_state(shuffled, "vit_t", make, layers=vit_layers(2))
+    assert agreement(np.asarray(other(x)), want)[0] < 0.999
+    with pytest.raises(DataError, match=r"^vit_reference\.pth: not the state dict of arcface_torch's vit_t backbone: "
+                                        r"\d+ missing key\(s\): blocks\.2\.norm1\.weight"):
+        load_torch_state(state, "vit_t", make, source="vit_reference.pth")  # vit_t has 12 blocks
+
+
+@pytest.mark.slow  # a whole vit_t converted both ways
+def test_every_arcface_vit_maps_both_ways_bit_for_bit(rng):
+    """Each arcface_torch ViT name maps to jaxcls's ViT of its size (keys in torch's order: the model's own parameters,
+    then its children); a vit_t with random values goes to torch and back unchanged, and its run config names it."""
+    from jaxcls.models import get_model
+    from jaxcls.models.vit import SIZES
+    for name, (model, kwargs) in ARCFACE_MODELS.items():
+        if model.startswith("vit"):
+            keys = torch_keys(name)
+            assert keys[:4] == ["pos_embed", "mask_token", "patch_embed.proj.weight", "patch_embed.proj.bias"]
+            # 11 tensors a block (2 LayerNorms, qkv, proj, fc1, fc2), then the final LayerNorm and the head's
+            # linear-BatchNorm-linear-BatchNorm
+            assert len(keys) == 4 + 11 * SIZES[model][1] + 2 + 2 * (1 + 5)
+            assert keys[-1] == "feature.3.num_batches_tracked"
+            config = run_config(name)
+            assert (config.model, dict(config.model_kwargs)) == (model, kwargs) and arcface_name(config) == name
+    graphdef, params, stats, rest = nnx.split(get_model("vit_t", 512), nnx.Param, nnx.BatchStat, ...)
+    draw = lambda x: jax.numpy.asarray(rng.normal(0, 1, x.shape).astype(np.float32))
+    model = nnx.merge(graphdef, jax.tree.map(draw, params), jax.tree.map(draw, stats), rest)
+    state = jaxcls_to_torch(model, "vit_t")
+    assert list(state) == torch_keys("vit_t") and state["feature.0.weight"].shape == (256, 144 * 256)
+    back = torch_to_jaxcls(state, "vit_t")
+    same = jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), nnx.state(back, nnx.Param, nnx.BatchStat),
+                        nnx.state(model, nnx.Param, nnx.BatchStat))
+    assert all(jax.tree.leaves(same))
+    # a fine-tuned vit_t with its own drop path goes back as vit_t; another activation has no counterpart
+    assert arcface_name(_with(run_config("vit_t"), drop_path=0.2)) == "vit_t"
+    with pytest.raises(ValueError, match="ViTs take 9×9 patches and ReLU6; this run's vit_t has 9×9 and gelu"):
+        arcface_name(_with(run_config("vit_t"), act="gelu"))

@@ -50,7 +50,8 @@ def vit_params(dim, depth, nf=512, tokens=144, patch=9):
 
 EXPECTED = {  # also in docs/models.md
     "r18": 24_025_088, "r34": 34_138_816, "r50": 43_590_336, "r100": 65_155_648, "r200": 118_833_408,
-    "mbf": 2_059_520, "vit_t": 19_137_792, "vit_s": 76_023_296, "vit_b": 113_833_472,
+    "mbf": 2_059_520, "vit_t": 19_137_792, "vit_s": 76_023_296, "vit_b": 113_833_472, "vit_l": 255_684_352,
+    "vit_h": 756_393_984,
 }
 
 
@@ -58,12 +59,13 @@ def test_expected_counts_follow_from_the_architectures():
     for name, stages in STAGES.items():
         assert iresnet_params(stages) == EXPECTED[name], name
     assert mbf_params() == EXPECTED["mbf"]
-    assert (vit_params(256, 12), vit_params(512, 12), vit_params(512, 24)) == (
-        EXPECTED["vit_t"], EXPECTED["vit_s"], EXPECTED["vit_b"])
+    assert [vit_params(256, 12), vit_params(512, 12), vit_params(512, 24), vit_params(768, 24),
+            vit_params(1024, 48)] == [EXPECTED[n] for n in ("vit_t", "vit_s", "vit_b", "vit_l", "vit_h")]
 
 
-# the two largest graphs take ~15 s to trace: slow lane
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in ("vit_b", "r200") else [])
+# the largest graphs take ~15 s or more to trace: slow lane
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in ("vit_b", "vit_l", "vit_h", "r200")
+                                               else [])
                                   for n in sorted(MODELS)])
 def test_parameter_count_and_output_shape(name):
     model = nnx.eval_shape(lambda: get_model(name))

@@ -1,6 +1,7 @@
 """Backbones by name: ``get_model(name, num_features=512, **kwargs)``.
 
-Names: r18 r34 r50 r100 r200 (IResNet), mbf (MobileFaceNet), vit_t vit_s vit_b (arcface_torch's ViTs).
+Names: r18 r34 r50 r100 r200 (IResNet), mbf (MobileFaceNet), vit_t vit_s vit_b vit_l vit_h (arcface_torch's
+ViTs).
 Common kwargs: ``dtype`` (compute dtype), ``remat`` (none | full | save_dots | save_block_outputs),
 ``input_size`` (112), ``bn_groups`` (1: training BatchNorm statistics over the whole batch; G: per block of
 B/G consecutive rows, one block per device), ``rngs`` (default ``nnx.Rngs(0)``).
@@ -17,15 +18,14 @@ from flax import nnx
 from jaxcls.models.iresnet import STAGES, IResNet
 from jaxcls.models.layers import REMAT_POLICIES
 from jaxcls.models.mobilefacenet import MobileFaceNet
+from jaxcls.models.vit import SIZES as VIT_SIZES
 from jaxcls.models.vit import VisionTransformer
 from jaxcls.registry import lookup
 
 MODELS = {
     **{name: partial(IResNet, stages) for name, stages in STAGES.items()},
     "mbf": MobileFaceNet,
-    "vit_t": partial(VisionTransformer, 256, 12, 8),
-    "vit_s": partial(VisionTransformer, 512, 12, 8),
-    "vit_b": partial(VisionTransformer, 512, 24, 8),
+    **{name: partial(VisionTransformer, *size) for name, size in VIT_SIZES.items()},
 }
 
 

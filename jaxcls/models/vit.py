@@ -16,6 +16,8 @@ from flax import nnx
 from jaxcls.models.layers import ACTIVATIONS, BatchNorm, remat_call, tag_block_output
 
 _INIT = nnx.initializers.truncated_normal(0.02)
+SIZES = {"vit_t": (256, 12, 8), "vit_s": (512, 12, 8), "vit_b": (512, 24, 8), "vit_l": (768, 24, 8),
+         "vit_h": (1024, 48, 8)}  # arcface_torch's: (embedding width, blocks, heads)
 
 
 class Block(nnx.Module):
