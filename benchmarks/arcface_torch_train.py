@@ -5,7 +5,8 @@
 Stands in for a user's arcface_torch model (docs/import.md: fine-tuning an imported model). The step is arcface_torch's
 train_v2.py on one GPU: insightface's `get_model(network, dropout=0, fp16=True)` -> `PartialFC_V2(CombinedMarginLoss)`
 -> GradScaler(growth_interval=100) -> `clip_grad_norm_(backbone, 5)` -> SGD(momentum 0.9) over backbone and FC, with
-its PolynomialLRWarmup schedule (linear warm-up, then power 2 to 0) stepped per iteration. Its input transform: a
+its PolynomialLRWarmup schedule (linear warm-up, then linear decay to 0: power 1, train_v2.py's default; the first
+iteration at the base rate, as its scheduler leaves it) stepped per iteration. Its input transform: a
 random horizontal flip, `(x/255 - 0.5)/0.5`, NCHW. The images are decoded once into device memory (glyphs: 9,000
 images, 339 MB) and shuffled per epoch with the last partial batch dropped, as its DataLoader does. The backbone's
 state dict is written with `torch.save(backbone.state_dict(), out)`: the file arcface_torch's `model.pt` is.
@@ -38,11 +39,15 @@ def decoded(root):
     return np.stack([image for image, _ in items]), np.array([label for _, label in items]), data.num_classes()
 
 
-def polynomial_warmup(step, warmup, total):
-    """arcface_torch's PolynomialLRWarmup as a factor of the base learning rate."""
-    if step < warmup:
+def polynomial_warmup(step, warmup, total, power=1.0):
+    """arcface_torch's PolynomialLRWarmup (lr_scheduler.py) as a factor of the base learning rate: iteration 0 at
+    the base rate, then ``step / warmup`` up to ``warmup``, then ``(1 − (step − warmup) / (total − warmup))^power``.
+    """
+    if step == 0:
+        return 1.0
+    if step <= warmup:
         return step / warmup
-    return max(0.0, 1 - (step - warmup) / max(total - warmup, 1)) ** 2
+    return max(0.0, 1 - (step - warmup) / max(total - warmup, 1)) ** power
 
 
 def main():
@@ -81,6 +86,8 @@ def main():
     images, labels = torch.from_numpy(images).to(dev), torch.from_numpy(labels).to(dev)
     decode_s = time.perf_counter() - start
     steps_per_epoch = len(images) // args.batch
+    if steps_per_epoch == 0:
+        sys.exit(f"error: {args.data} has {len(images)} images, fewer than one batch of {args.batch}")
     total, warmup = steps_per_epoch * args.epochs, steps_per_epoch * args.warmup_epochs
 
     backbone = get_model(args.network, dropout=0.0, fp16=True, num_features=args.embedding).to(dev).train()

@@ -18,6 +18,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 GLYPHS=${GLYPHS:-../shared/data/glyphs}
 OUT=${1:-runs/glyphs_finetune}
+if [ -e "$OUT" ]; then echo "error: $OUT exists: give a new OUTDIR (each step writes a new folder)" >&2; exit 2; fi
 NETWORK=${NETWORK:-r50}
 read -r -a TORCH_ARGS <<< "${TORCH_ARGS:---epochs 24 --batch 256}"
 read -r -a TRAIN_ARGS <<< "${TRAIN_ARGS:-}"

@@ -10,7 +10,6 @@ Images are read and resized by `jaxcls.embed`'s loader and given to both framewo
 insightface's code comes from --insightface (default ../shared/bench/insightface).
 """
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -20,7 +19,7 @@ import numpy as np
 import torch
 from common import print_table, write_json
 
-from jaxcls.convert import import_torch
+from jaxcls.convert import embedding_size, import_torch
 from jaxcls.embed import embed_images, image_source
 from jaxcls.inference import open_embedder
 from jaxcls.torch_pth import load_state_dict
@@ -35,8 +34,10 @@ def agreement(got, want) -> dict:
             "max_relative_error": float(np.max(np.abs(got - want).max(1) / np.abs(want).max(1)))}
 
 
-def torch_embeddings(model, images: np.ndarray, device: str, dtype, tf32: bool) -> np.ndarray:
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = tf32
+def torch_embeddings(model, images: np.ndarray, device: str, dtype, tf32_convolutions: bool) -> np.ndarray:
+    """``model``'s embeddings of uint8 ``images``; cuDNN convolutions in TF32 or not, matmuls never (PyTorch's
+    defaults are TF32 convolutions and float32 matmuls)."""
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32_convolutions, False
     x = torch.from_numpy(images.transpose(0, 3, 1, 2).astype(np.float64) / 255 * 2 - 1)
     model = model.to(device=device, dtype=dtype)
     with torch.no_grad():
@@ -55,25 +56,27 @@ def main():
     sys.path.insert(0, args.insightface)
     from backbones import get_model
 
-    workdir = tempfile.mkdtemp(prefix="torch_agreement-")
-    import_torch(args.pth, args.network, workdir)
-    embedder = open_embedder(workdir)
-    names, loaders = image_source(args.images, embedder.input_size)
-    images = np.stack([load() for load in loaders[:args.n]])
-    model = get_model(args.network).eval()
-    model.load_state_dict({k: torch.from_numpy(v) for k, v in load_state_dict(args.pth).items()}, strict=True)
-    want = torch_embeddings(model, images, "cpu", torch.float64, False)
+    state = load_state_dict(args.pth)
+    model = get_model(args.network, num_features=embedding_size(state, args.network)).eval()
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()}, strict=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    rows = [{"embeddings": f"PyTorch {device} float32, TF32 off", **agreement(
-                torch_embeddings(model, images, device, torch.float32, False), want)},
-            {"embeddings": f"PyTorch {device} float32, its default TF32 setting", **agreement(
-                torch_embeddings(model, images, device, torch.float32, True), want)}]
-    for precision in ("default", "highest"):
-        with jax.default_matmul_precision(precision):
-            got = embed_images(open_embedder(workdir), loaders[:args.n], names[:args.n],
-                              batch_size=min(args.n, 256), progress=False)[0]
-        rows.append({"embeddings": f"jaxcls {jax.devices()[0].platform} float32, matmul precision {precision}",
-                     **agreement(got, want)})
+    with tempfile.TemporaryDirectory(prefix="torch_agreement-") as tmp:
+        workdir = os.path.join(tmp, "run")
+        import_torch(args.pth, args.network, workdir)
+        names, loaders = image_source(args.images, open_embedder(workdir).input_size)
+        names, loaders = names[:args.n], loaders[:args.n]
+        images = np.stack([load() for load in loaders])
+        want = torch_embeddings(model, images, "cpu", torch.float64, False)
+        rows = [{"embeddings": f"PyTorch {device} float32, TF32 off", **agreement(
+                    torch_embeddings(model, images, device, torch.float32, False), want)},
+                {"embeddings": f"PyTorch {device} float32, its defaults (cuDNN convolutions in TF32)", **agreement(
+                    torch_embeddings(model, images, device, torch.float32, True), want)}]
+        for precision in ("default", "highest"):  # a fresh embedder each: its program traced under the precision
+            with jax.default_matmul_precision(precision):
+                got = embed_images(open_embedder(workdir), loaders, names, batch_size=min(args.n, 256),
+                                   progress=False)[0]
+            rows.append({"embeddings": f"jaxcls {jax.devices()[0].platform} float32, matmul precision {precision}",
+                         **agreement(got, want)})
     print(f"{args.network} from {args.pth}, {len(images)} images of {args.images}; reference: PyTorch float64 CPU")
     print_table(rows, ["embeddings", "one_minus_min_cosine", "max_relative_error"])
     if args.out:

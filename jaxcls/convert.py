@@ -215,12 +215,15 @@ def _to_torch(transform: str, array: np.ndarray) -> np.ndarray:
 
 
 def _slots(layers: list[Layer]):
-    """``(torch key, jaxcls path, stack index, transform, layer)`` for every tensor of the state dict."""
+    """``(torch key, jaxcls path or None, stack index, transform)`` for every tensor of the state dict."""
     for layer in layers:
         for leaf, jax_leaf, transform in LEAVES[layer.kind]:
-            path = None if jax_leaf is None else layer.jax + (jax_leaf,) if jax_leaf else layer.jax
-            if transform == "ones":  # shaped like the BatchNorm's bias
+            if transform == "ones":  # no jaxcls variable; shaped like the BatchNorm's bias
                 path = layer.jax + ("bias",)
+            elif jax_leaf is None:
+                path = None
+            else:  # "": the layer is the parameter itself
+                path = layer.jax + (jax_leaf,) if jax_leaf else layer.jax
             yield f"{layer.torch}.{leaf}" if leaf else layer.torch, path, layer.index, transform
 
 
@@ -306,7 +309,10 @@ def load_torch_state(state: Mapping[str, np.ndarray], name: str, make: Callable[
         target[slot] = _to_jax(transform, array)
         done[slot] = True
     if shape_errors:
-        hint = (f" (embedding size: {embedding_size(state, name)} in the file; --num_features?)"
+        others = [other for other in ARCFACE_MODELS if other != name and jaxcls_model(other)[0] in VIT_SIZES
+                  and same_architecture(other, state)]
+        hint = (f" (its widths are those of arcface_torch's {' / '.join(others)} (--model {others[0]}))" if others
+                else f" (embedding size: {embedding_size(state, name)} in the file; --num_features?)"
                 if any(e.startswith(layers[-1].torch + ".") for e in shape_errors) else "")
         raise DataError(f"{source}: {len(shape_errors)} tensor(s) of another shape than arcface_torch's {name} "
                         f"has{hint}: " + _listing(shape_errors))
@@ -341,6 +347,14 @@ def _listing(items: list[str], limit: int = 20) -> str:
     return ", ".join(items[:limit]) + (f" … and {len(items) - limit} more" if len(items) > limit else "")
 
 
+def same_architecture(name: str, state: Mapping) -> bool:
+    """Whether ``state`` has arcface_torch ``name``'s keys and, for a ViT (whose sizes share their keys), its width."""
+    if set(torch_keys(name)) != set(state):
+        return False
+    model = jaxcls_model(name)[0]
+    return model not in VIT_SIZES or np.shape(state["pos_embed"])[-1:] == (VIT_SIZES[model][0],)
+
+
 def _check_keys(state: Mapping, name: str, source: str, expected: list[str] | None = None) -> None:
     """``DataError`` listing the missing and unexpected keys (against ``name``'s unless ``expected`` is given), with a
     guess at what the file holds."""
@@ -355,7 +369,7 @@ def _check_keys(state: Mapping, name: str, source: str, expected: list[str] | No
         parts.append(f"{len(missing)} missing key(s): {_listing(missing)}")
     if unexpected:
         parts.append(f"{len(unexpected)} unexpected key(s): {_listing(unexpected)}")
-    fits = [other for other in ARCFACE_MODELS if other != name and set(torch_keys(other)) == set(state)]
+    fits = [other for other in ARCFACE_MODELS if other != name and same_architecture(other, state)]
     if fits:
         hint = f"its keys are those of arcface_torch's {' / '.join(fits)} (--model {fits[0]})"
     elif not set(state) & set(expected):

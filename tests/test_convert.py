@@ -360,12 +360,14 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 def test_a_vit_converts_as_insightface_computes_it():
     """insightface's own ViT (arcface_torch's backbones/vit.py, narrow: 32 wide, 2 blocks, 4 heads, 16-d; random
     weights, LayerNorm and BatchNorm values) wrote vit_reference.pth and its embeddings of four glyph images
-    (tests/fixtures/make_vit_reference.py): the mapping of any depth gives the same embeddings, and a ViT whose qkv
-    heads were read in another order does not."""
-    from jaxcls.convert import load_torch_state, vit_layers
+    (tests/fixtures/make_vit_reference.py): its keys are the mapping's, in order, and the mapping (``vit_layers``, which
+    every ViT name uses at its own depth) gives the same embeddings; a ViT whose qkv heads were read in another order
+    does not."""
+    from jaxcls.convert import _slots, load_torch_state, vit_layers
     from jaxcls.models.vit import VisionTransformer
     state, reference = load_state_dict(FIXTURES / "vit_reference.pth"), np.load(FIXTURES / "vit_reference.npz")
     make = lambda: VisionTransformer(32, 2, 4, num_features=16, rngs=nnx.Rngs(0))
+    assert list(state) == [key for key, *_ in _slots(vit_layers(2))]  # insightface's keys, in its order
     model = load_torch_state(state, "vit_t", make, source="vit_reference.pth", layers=vit_layers(2))
     x = reference["images"].astype(np.float32) / 255 * 2 - 1  # arcface_torch's input, NHWC for jaxcls
     want = reference["embeddings"]
@@ -405,6 +407,13 @@ def test_every_arcface_vit_maps_both_ways_bit_for_bit(rng):
     same = jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), nnx.state(back, nnx.Param, nnx.BatchStat),
                         nnx.state(model, nnx.Param, nnx.BatchStat))
     assert all(jax.tree.leaves(same))
+    # ViTs of one depth share their keys: a vit_t file given as vit_s or vit_b is named as vit_t's
+    with pytest.raises(DataError, match=r"tensor\(s\) of another shape than arcface_torch's vit_s has \(its widths "
+                                        r"are those of arcface_torch's vit_t / vit_t_dp005_mask0 \(--model vit_t\)\)"):
+        torch_to_jaxcls(state, "vit_s", source="t.pth")
+    with pytest.raises(DataError, match=r"missing key\(s\): blocks\.12\..* \(its keys are those of arcface_torch's "
+                                        r"vit_t / vit_t_dp005_mask0 \(--model vit_t\)\)$"):
+        torch_to_jaxcls(state, "vit_b", source="t.pth")
     # a fine-tuned vit_t with its own drop path goes back as vit_t; another activation has no counterpart
     assert arcface_name(_with(run_config("vit_t"), drop_path=0.2)) == "vit_t"
     with pytest.raises(ValueError, match="ViTs take 9×9 patches and ReLU6; this run's vit_t has 9×9 and gelu"):

@@ -94,7 +94,7 @@ def test_the_records_are_those_mxnet_wrote_for_glyphs(tmp_path):
 def test_some_identities_of_a_recordio_folder_are_repacked_numbered_from_zero(tmp_path):
     root, images = folder(tmp_path)
     main(["--images", str(root), "--out", str(tmp_path / "all")])
-    main(["--images", str(tmp_path / "all"), "--classes", "1:3", "--out", str(tmp_path / "bc")])
+    main(["--images", str(tmp_path / "all" / "train.rec"), "--classes", "1:3", "--out", str(tmp_path / "bc")])
     ds = MXFaceDataset(tmp_path / "bc")
     assert ds.num_classes() == 2 and (tmp_path / "bc" / "property").read_text() == "2,20,24\n"
     assert [ds.raw(i) for i in range(len(ds))] == [(images["b", "0.jpg"], 0), (images["b", "1.jpg"], 0),
@@ -103,7 +103,8 @@ def test_some_identities_of_a_recordio_folder_are_repacked_numbered_from_zero(tm
 
 
 @pytest.mark.parametrize("classes, message", [("2:1", "expected A:B with 0 <= A < B"), ("1", "expected A:B"),
-                                              ("a:b", "expected A:B"), ("1:4", "the input has identities 0..2 only")])
+                                              ("a:b", "expected A:B"), ("\u00b2:3", "expected A:B"),
+                                              ("1:4", "the input has identities 0..2 only")])
 def test_a_bad_class_range_is_named(tmp_path, classes, message):
     root, _ = folder(tmp_path)
     with pytest.raises(SystemExit, match=f"^error: --classes '?{classes}'?: {message}"):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import re
 import sys
 from pathlib import Path
 from typing import NamedTuple
@@ -79,12 +80,13 @@ def record_images(root: str | os.PathLike) -> tuple[list[RecordImage], list[int]
 
 def keep_classes(files: list, labels: list[int], classes: str) -> tuple[list, list[int]]:
     """The images of identities ``A … B−1`` (``classes`` is ``"A:B"``), labelled ``0 … B−A−1``."""
-    first, _, end = classes.partition(":")
-    if not (first.isdigit() and end.isdigit() and int(first) < int(end)):
+    parsed = re.fullmatch(r"(\d+):(\d+)", classes, re.ASCII)
+    if not (parsed and int(parsed[1]) < int(parsed[2])):
         raise ValueError(f"--classes {classes!r}: expected A:B with 0 <= A < B")
-    first, end = int(first), int(end)
-    if end > max(labels) + 1:
-        raise ValueError(f"--classes {classes}: the input has identities 0..{max(labels)} only")
+    first, end = int(parsed[1]), int(parsed[2])
+    if not labels or end > max(labels) + 1:
+        held = f"identities 0..{max(labels)}" if labels else "no images"
+        raise ValueError(f"--classes {classes}: the input has {held} only")
     kept = [i for i, label in enumerate(labels) if first <= label < end]
     return [files[i] for i in kept], [labels[i] - first for i in kept]
 
@@ -152,7 +154,7 @@ def pack_images(files: list[Path], labels: list[int], out: str | os.PathLike, qu
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m jaxcls.data.pack", description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", required=True,
-                        help="a folder DIR/<class>/<image>, a path<TAB>label list, or a RecordIO folder (train.rec)")
+                        help="a folder DIR/<class>/<image>, a path<TAB>label list, a RecordIO folder or its train.rec")
     parser.add_argument("--classes", help="A:B keeps identities A..B-1 only, numbered 0..B-A-1")
     parser.add_argument("--out", required=True, help="the folder to write train.rec, train.idx and property into")
     parser.add_argument("--quality", type=int, default=95, help="JPEG quality for images that are not JPEG (1-100)")
@@ -163,6 +165,8 @@ def main(argv: list[str] | None = None) -> None:
         if not Path(args.images).exists():
             raise FileNotFoundError(f"{args.images}: no such folder or list")
         source = Path(args.images)
+        if source.suffix == ".rec":  # train.rec given for its folder
+            source = source.parent
         read = (record_images if (source / "train.rec").exists() else folder_images) if source.is_dir() else \
             listed_images
         files, labels = read(source)
