@@ -21,17 +21,15 @@ from common import print_table, write_json
 
 from jaxcls.convert import embedding_size, import_torch
 from jaxcls.embed import embed_images, image_source
-from jaxcls.inference import open_embedder
+from jaxcls.inference import agreement, open_embedder
 from jaxcls.torch_pth import load_state_dict
 
 INSIGHTFACE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "bench", "insightface")
 
 
-def agreement(got, want) -> dict:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    cosine = np.sum(got * want, 1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
-    return {"one_minus_min_cosine": float(1 - cosine.min()),
-            "max_relative_error": float(np.max(np.abs(got - want).max(1) / np.abs(want).max(1)))}
+def measured(got, want) -> dict:
+    cosine, relative = agreement(got, want)
+    return {"one_minus_min_cosine": 1 - cosine, "max_relative_error": relative}
 
 
 def torch_embeddings(model, images: np.ndarray, device: str, dtype, tf32_convolutions: bool) -> np.ndarray:
@@ -67,16 +65,16 @@ def main():
         names, loaders = names[:args.n], loaders[:args.n]
         images = np.stack([load() for load in loaders])
         want = torch_embeddings(model, images, "cpu", torch.float64, False)
-        rows = [{"embeddings": f"PyTorch {device} float32, TF32 off", **agreement(
+        rows = [{"embeddings": f"PyTorch {device} float32, TF32 off", **measured(
                     torch_embeddings(model, images, device, torch.float32, False), want)},
-                {"embeddings": f"PyTorch {device} float32, its defaults (cuDNN convolutions in TF32)", **agreement(
+                {"embeddings": f"PyTorch {device} float32, its defaults (cuDNN convolutions in TF32)", **measured(
                     torch_embeddings(model, images, device, torch.float32, True), want)}]
         for precision in ("default", "highest"):  # a fresh embedder each: its program traced under the precision
             with jax.default_matmul_precision(precision):
                 got = embed_images(open_embedder(workdir), loaders, names, batch_size=min(args.n, 256),
                                    progress=False)[0]
             rows.append({"embeddings": f"jaxcls {jax.devices()[0].platform} float32, matmul precision {precision}",
-                         **agreement(got, want)})
+                         **measured(got, want)})
     print(f"{args.network} from {args.pth}, {len(images)} images of {args.images}; reference: PyTorch float64 CPU")
     print_table(rows, ["embeddings", "one_minus_min_cosine", "max_relative_error"])
     if args.out:

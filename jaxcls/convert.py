@@ -177,7 +177,12 @@ def jaxcls_model(name: str) -> tuple[str, dict]:
 
 def torch_keys(name: str) -> list[str]:
     """The keys of arcface_torch backbone ``name``'s ``state_dict()``, in its order."""
-    return [key for key, *_ in _slots(arcface_layers(name))]
+    return layer_keys(arcface_layers(name))
+
+
+def layer_keys(layers: list[Layer]) -> list[str]:
+    """The state dict keys of ``layers``, in their order."""
+    return [key for key, *_ in _slots(layers)]
 
 
 # ---- layouts ------------------------------------------------------------------------------------------------------
@@ -273,7 +278,7 @@ def load_torch_state(state: Mapping[str, np.ndarray], name: str, make: Callable[
     if not ``name``'s (e.g. ``vit_layers(depth)`` for a ViT of another size)."""
     state = strip_module_prefix(state)
     layers = arcface_layers(name) if layers is None else layers
-    _check_keys(state, name, source, [key for key, *_ in _slots(layers)])
+    _check_keys(state, name, source, layer_keys(layers))
     graphdef, params, stats, rest = _abstract_model(make)
     targets = {**_flat(params), **_flat(stats)}
     values, filled, shape_errors = {}, {}, []
@@ -308,12 +313,15 @@ def load_torch_state(state: Mapping[str, np.ndarray], name: str, make: Callable[
             raise RuntimeError(f"the {name} mapping fills {'/'.join(map(str, path))}{list(slot)} twice")
         target[slot] = _to_jax(transform, array)
         done[slot] = True
-    if shape_errors:
-        others = [other for other in ARCFACE_MODELS if other != name and jaxcls_model(other)[0] in VIT_SIZES
+    if shape_errors:  # a model of another size with the same keys (the ViTs), or another embedding size
+        others = [other for other in ARCFACE_MODELS if jaxcls_model(other)[0] != jaxcls_model(name)[0]
                   and same_architecture(other, state)]
-        hint = (f" (its widths are those of arcface_torch's {' / '.join(others)} (--model {others[0]}))" if others
-                else f" (embedding size: {embedding_size(state, name)} in the file; --num_features?)"
-                if any(e.startswith(layers[-1].torch + ".") for e in shape_errors) else "")
+        if others:
+            hint = f" (its widths are those of arcface_torch's {' / '.join(others)} (--model {others[0]}))"
+        elif any(e.startswith(layers[-1].torch + ".") for e in shape_errors):
+            hint = f" (embedding size: {embedding_size(state, name)} in the file; --num_features?)"
+        else:
+            hint = ""
         raise DataError(f"{source}: {len(shape_errors)} tensor(s) of another shape than arcface_torch's {name} "
                         f"has{hint}: " + _listing(shape_errors))
     unfilled = [p for p in targets if p not in filled or not filled[p].all()]

@@ -47,6 +47,14 @@ def restore_backbone(workdir: str | os.PathLike, step: int | None = None, *, dty
     return nnx.merge(graphdef, restored["params"], restored["stats"]), config, step
 
 
+def agreement(got, want) -> tuple[float, float]:
+    """How close embeddings ``got`` are to ``want`` (``[N, D]`` each), row by row in float64: (the lowest cosine, the
+    largest max |got − want| / max |want|)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    cosine = np.sum(got * want, 1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+    return float(cosine.min()), float(np.max(np.abs(got - want).max(1) / np.abs(want).max(1)))
+
+
 def deployed(model: nnx.Module):
     """``f(float32 [B, 3, S, S] NCHW, normalised) -> float32 [B, D]`` un-normalised embeddings."""
 

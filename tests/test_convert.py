@@ -23,7 +23,7 @@ from jaxcls.checkpoint import CheckpointError
 from jaxcls.convert import (ARCFACE_MODELS, arcface_name, import_torch, jaxcls_to_torch, run_config, torch_keys,
                             torch_to_jaxcls, write_run)
 from jaxcls.data.recordio import DataError
-from jaxcls.inference import Embedder, deployed, deployed_input, restore_backbone
+from jaxcls.inference import Embedder, agreement, deployed, deployed_input, restore_backbone
 from jaxcls.torch_pth import load_state_dict, save_pth
 
 torch = pytest.importorskip("torch", reason="torch is needed to check the conversion against insightface's models")
@@ -113,13 +113,6 @@ def jax_embed(model, n: int) -> np.ndarray:
     """The embeddings of ``images(n)`` by ``deployed(model)``."""
     graphdef, state = nnx.split(model)
     return np.asarray(embed_fn(graphdef)(state, deployed_input(images(n))))
-
-
-def agreement(got, want):
-    """(the lowest cosine, the largest max |got − want| / max |want|) over the embeddings (rows)."""
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    cosine = np.sum(got * want, 1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
-    return cosine.min(), np.max(np.abs(got - want).max(1) / np.abs(want).max(1))
 
 
 def check_agreement(name, got, want):
@@ -363,11 +356,11 @@ def test_a_vit_converts_as_insightface_computes_it():
     (tests/fixtures/make_vit_reference.py): its keys are the mapping's, in order, and the mapping (``vit_layers``, which
     every ViT name uses at its own depth) gives the same embeddings; a ViT whose qkv heads were read in another order
     does not."""
-    from jaxcls.convert import _slots, load_torch_state, vit_layers
+    from jaxcls.convert import layer_keys, load_torch_state, vit_layers
     from jaxcls.models.vit import VisionTransformer
     state, reference = load_state_dict(FIXTURES / "vit_reference.pth"), np.load(FIXTURES / "vit_reference.npz")
     make = lambda: VisionTransformer(32, 2, 4, num_features=16, rngs=nnx.Rngs(0))
-    assert list(state) == [key for key, *_ in _slots(vit_layers(2))]  # insightface's keys, in its order
+    assert list(state) == layer_keys(vit_layers(2))  # insightface's keys, in its order
     model = load_torch_state(state, "vit_t", make, source="vit_reference.pth", layers=vit_layers(2))
     x = reference["images"].astype(np.float32) / 255 * 2 - 1  # arcface_torch's input, NHWC for jaxcls
     want = reference["embeddings"]

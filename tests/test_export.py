@@ -14,7 +14,7 @@ from jaxcls.config import base_config
 from jaxcls.data.pipeline import normalize
 from jaxcls.data.recordio import MXFaceDataset
 from jaxcls.export import ONNX_OPSET, export_run, load_jax_export
-from jaxcls.inference import OnnxEmbedder, deployed_input, restore_backbone
+from jaxcls.inference import OnnxEmbedder, agreement, deployed_input, restore_backbone
 from test_recordio import GLYPHS, needs_glyphs
 from tiny import get_config as tiny_config
 from tiny import saved_run
@@ -43,11 +43,6 @@ def backbone_config(name, **overrides):
 def glyph_images(n):
     data = MXFaceDataset(GLYPHS)
     return np.stack([data[i * 997 % len(data)][0] for i in range(n)])
-
-
-def agreement(got, want):
-    cosine = np.sum(got * want, 1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
-    return cosine.min(), np.max(np.abs(got - want) / np.abs(want).max(1, keepdims=True))
 
 
 def check_interface(path, step, model, size, features):
@@ -107,7 +102,7 @@ def test_onnx_and_jax_export_embed_glyphs_as_the_backbone(name, tmp_path, rng):
         n = len(batch)
         for got in (onnx_embed(batch), np.asarray(from_stablehlo(deployed_input(batch)))):
             assert got.shape == (n, 64) and got.dtype == np.float32
-            cosine, relative = agreement(got.astype(np.float64), want[:n])
+            cosine, relative = agreement(got, want[:n])
             print(f"{name} batch {n}: min cosine {cosine:.9f}, max relative error {relative:.2e}")
             assert cosine >= 0.99999 and relative <= 1e-4
 
@@ -128,7 +123,7 @@ def test_cli_exports_a_bfloat16_run_in_float32_and_its_errors_are_one_line(tmp_p
     want32, want16 = (np.asarray(m(normalize(images)), np.float64) for m in (model32, model16))
     for got in (OnnxEmbedder(tmp_path / "m.onnx")(images),
                 np.asarray(load_jax_export(tmp_path / "m.jaxexport")(deployed_input(images)))):
-        assert agreement(got.astype(np.float64), want32)[1] <= 1e-4 < agreement(got.astype(np.float64), want16)[1]
+        assert agreement(got, want32)[1] <= 1e-4 < agreement(got, want16)[1]
     for args, message in [((), "nothing to export"), (("--step", "5", "--onnx", "x.onnx"), "no checkpoint 5 in"),
                           (("--onnx", "x.onnx"), "is not a jaxcls run")]:
         workdir = tmp_path / ("run" if message != "is not a jaxcls run" else "nothing")

@@ -167,9 +167,12 @@ def main(argv: list[str] | None = None) -> None:
         source = Path(args.images)
         if source.suffix == ".rec":  # train.rec given for its folder
             source = source.parent
-        read = (record_images if (source / "train.rec").exists() else folder_images) if source.is_dir() else \
-            listed_images
-        files, labels = read(source)
+        if not source.is_dir():
+            files, labels = listed_images(source)
+        elif (source / "train.rec").exists():
+            files, labels = record_images(source)
+        else:
+            files, labels = folder_images(source)
         if args.classes:
             files, labels = keep_classes(files, labels, args.classes)
         n, num_classes, (h, w) = pack_images(files, labels, args.out, args.quality, where=args.images)
