@@ -24,9 +24,9 @@ from jaxcls.losses.margins import MARGINS
 from jaxcls.mesh import CLASS_AXES
 from jaxcls.models import MODELS
 from jaxcls.models.layers import REMAT_POLICIES
-from jaxcls.optimizers import OPTIMIZERS
+from jaxcls.optimizers import OPTIMIZERS, make_optimizers
 from jaxcls.partial_fc import check_sample_rate
-from jaxcls.precision import DTYPES
+from jaxcls.precision import DTYPES, FC_STATE_DTYPES
 from jaxcls.registry import lookup
 
 
@@ -58,6 +58,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh_data = 1  # size of the data axis; the class axis takes the remaining devices
     c.chunk_size = DEFAULT_CHUNK  # FC rows per tile of the fused FC step (0: one tile per shard)
     c.fc_dtype = "float32"  # storage of FC weight and its optimizer state
+    c.fc_state_dtype = "same"  # storage of the FC optimizer state: as fc_dtype, or float32 | bfloat16 | float16 |
+    # int8 | float8_e4m3fn (one byte per value and a float32 scale per row: sgd only; docs/partial_fc.md)
     c.mem_fraction = 0.0  # share of each GPU's memory XLA may allocate (XLA_PYTHON_CLIENT_MEM_FRACTION), set before
     # the backend starts; 0: the environment's XLA_PYTHON_CLIENT_MEM_FRACTION, else JAX's default 0.75
     # Optimization (arcface_torch defaults).
@@ -202,7 +204,8 @@ def resume_differences(saved, config) -> list[str]:
 # (key, its registry, what the error calls it): every named choice of a config
 NAMED_CHOICES = [
     ("model", MODELS, "model"), ("remat", REMAT_POLICIES, "remat policy"), ("precision", DTYPES, "precision"),
-    ("fc_dtype", DTYPES, "fc_dtype"), ("margin.name", MARGINS, "margin"), ("optimizer", OPTIMIZERS, "optimizer"),
+    ("fc_dtype", DTYPES, "fc_dtype"), ("fc_state_dtype", FC_STATE_DTYPES, "fc_state_dtype"),
+    ("margin.name", MARGINS, "margin"), ("optimizer", OPTIMIZERS, "optimizer"),
     ("class_axes", CLASS_AXES, "class_axes"), ("data.kind", SOURCES, "data source"),
 ]
 
@@ -225,6 +228,13 @@ def validate(config, num_devices: int) -> None:
         raise ValueError(f"mesh_data {config.mesh_data} does not divide the {num_devices} devices")
     if config.warmup_steps >= config.total_steps:
         raise ValueError(f"warmup_steps {config.warmup_steps} must be below total_steps {config.total_steps}")
+    make_optimizers(config.optimizer, momentum=config.momentum, weight_decay=config.weight_decay,
+                    clip=config.clip_grad_norm, fc_state_dtype=fc_state_dtype(config))  # refuses what cannot work
+
+
+def fc_state_dtype(config):
+    """The FC optimizer state's storage dtype: ``fc_state_dtype``, or for ``"same"`` the ``fc_dtype``."""
+    return FC_STATE_DTYPES[config.fc_state_dtype] or DTYPES[config.fc_dtype]
 
 
 def check_data_classes(config, data_classes: int) -> None:

@@ -129,8 +129,8 @@ def _step_shard(emb, labels, weight, slots, row_classes, lr, count, apply, *, he
         # dynamic-update-slice made it copy the whole array)
         return classes - shard_first, classes < head.num_classes, first, owned
 
-    # On CPU 16-bit rows move as raw bits: XLA:CPU cannot scatter into a bfloat16/float16 array in place and
-    # would convert the whole array to float32 (and back) on every tile. GPUs scatter 16-bit floats natively.
+    # On CPU 16- and 8-bit float rows move as raw bits: XLA:CPU cannot scatter into a bfloat16/float16 array in
+    # place and would convert the whole array to float32 (and back) on every tile. GPUs scatter 16-bit floats natively.
     dtypes = (weight.dtype, *(s.dtype for s in slots))
     if head.mesh.devices.flat[0].platform == "cpu":
         weight, *slots = map(_to_bits, (weight, *slots))
@@ -170,8 +170,10 @@ def _step_shard(emb, labels, weight, slots, row_classes, lr, count, apply, *, he
 
 
 def _to_bits(x):
-    """16-bit floats as uint16 (a free bitcast), others as they are."""
-    return lax.bitcast_convert_type(x, jnp.uint16) if x.dtype.itemsize == 2 else x
+    """16- and 8-bit floats as unsigned integers of their size (a free bitcast), others as they are."""
+    if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4:
+        return lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16}[x.dtype.itemsize])
+    return x
 
 
 def _from_bits(x, dtype):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxcls.config import check_data_classes, validate
+from jaxcls.config import check_data_classes, fc_state_dtype, validate
 from jaxcls.data.augment import Augment
 from jaxcls.data.pipeline import HostBatches
 from jaxcls.data.sources import SOURCES, make_source
@@ -94,7 +94,8 @@ class Run:
             f"model {c.model} {dict(c.model_kwargs)}: {params / 1e6:.2f}M parameters, {c.num_features}-d "
             f"embeddings, compute {c.precision}, remat {c.remat}, BatchNorm statistics "
             f"{'of the global batch' if c.bn_sync else 'per device'}",
-            f"FC {c.num_classes:,} classes × {c.num_features} ({c.fc_dtype}) over {shards} class shards, "
+            f"FC {c.num_classes:,} classes × {c.num_features} ({c.fc_dtype}, optimizer state "
+            f"{jnp.dtype(fc_state_dtype(c)).name}) over {shards} class shards, "
             f"{head.rows // shards:,} rows per device; {c.margin.name} s={c.margin.s:g} m={c.margin.m:g}; {sampling}",
             f"mesh data={self.mesh.shape['data']} × class={self.mesh.shape['class']} "
             f"({self.mesh.devices.flat[0].platform}, {jax.process_count()} process(es)); global batch "
@@ -157,7 +158,7 @@ def build(config, devices=None, with_data: bool = True) -> Run:
     abstract_model.eval()
     eval_graphdef = split_model(abstract_model)[0]
     tx, fc_optimizer = make_optimizers(config.optimizer, momentum=config.momentum, weight_decay=config.weight_decay,
-                                       clip=config.clip_grad_norm, fc_state_dtype=fc_dtype)
+                                       clip=config.clip_grad_norm, fc_state_dtype=fc_state_dtype(config))
     head = FCHead(mesh, config.num_classes, config.num_features, make_margin(config.margin), fc_optimizer,
                   sample_rate=config.sample_rate, class_axes=CLASS_AXES[config.class_axes],
                   chunk_size=config.chunk_size or None, dtype=fc_dtype)

@@ -11,6 +11,10 @@ uses the global step count (as LazyAdam does).
 
 Storage dtype is the weight's own (float32, bfloat16 or float16); the optimizer
 state is stored in ``state_dtype`` (default: the weight's). The arithmetic is float32.
+A one-byte ``state_dtype`` (``int8`` or ``float8_e4m3fn``) stores each slot as that
+``[C_pad, D]`` array and a float32 scale per row ``[C_pad, 1]`` (the row's largest
+magnitude maps to the dtype's largest value): D + 4 bytes per row instead of 2·D for
+bfloat16. The weight update uses the float32 state before it is rounded for storage.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from jaxcls.mesh import DEFAULT_CLASS_AXES, row_spec, weight_spec
 
 
 class SparseState(NamedTuple):
-    """``slots``: per-row state arrays ``[C_pad, D]`` sharded like the weight; ``count``: steps taken."""
+    """``slots``: per-row state arrays ``[C_pad, D]`` (and, for a one-byte state, each followed by its scales
+    ``[C_pad, 1]``) sharded like the weight; ``count``: steps taken."""
 
     slots: tuple
     count: jax.Array
@@ -44,9 +49,11 @@ class SparseOptimizer(NamedTuple):
     state_dtype: Any
 
     def init(self, weight: jax.Array) -> SparseState:
-        dtype = weight.dtype if self.state_dtype is None else self.state_dtype
-        slots = tuple(jnp.zeros_like(weight, dtype=dtype) for _ in range(self.num_slots))
-        return SparseState(slots, jnp.zeros((), jnp.int32))
+        dtype = weight.dtype if self.state_dtype is None else jnp.dtype(self.state_dtype)
+        stored = (jnp.zeros_like(weight, dtype=dtype),)
+        if row_scaled(dtype):
+            stored += (jnp.zeros_like(weight[:, :1], dtype=jnp.float32),)
+        return SparseState(stored * self.num_slots, jnp.zeros((), jnp.int32))
 
     def update(self, weight: jax.Array, state: SparseState, rows: jax.Array | None, grads: jax.Array, lr, *,
                mesh: Mesh, class_axes=DEFAULT_CLASS_AXES) -> tuple[jax.Array, SparseState]:
@@ -62,21 +69,25 @@ class SparseOptimizer(NamedTuple):
             weight, slots = self.apply_rows(weight, state.slots, grads, lr, count)
             return weight, SparseState(slots, count)
         rows_spec, matrix_spec = row_spec(class_axes), weight_spec(class_axes)
+        slots_spec = (matrix_spec,) * len(state.slots)
         weight, slots = jax.shard_map(
             self._update_shard, mesh=mesh,
-            in_specs=(matrix_spec, (matrix_spec,) * self.num_slots, rows_spec, matrix_spec, P(), P()),
-            out_specs=(matrix_spec, (matrix_spec,) * self.num_slots),
+            in_specs=(matrix_spec, slots_spec, rows_spec, matrix_spec, P(), P()),
+            out_specs=(matrix_spec, slots_spec),
         )(weight, state.slots, rows, grads, jnp.asarray(lr, jnp.float32), count)
         return weight, SparseState(slots, count)
 
     def apply_rows(self, weight, slots, grads, lr, count) -> tuple[jax.Array, tuple]:
-        """The rule on rows ``weight`` / ``slots`` ``[R, D]`` in float32, results in their storage dtypes.
+        """The rule on rows ``weight`` ``[R, D]`` and the stored ``slots`` (of ``SparseState.slots``, rows ``R``)
+        in float32, results in their storage dtypes.
 
         ``count`` is the step number being taken (1 on the first step).
         """
-        f32 = lambda x: x.astype(jnp.float32)
-        new_w, new_slots = self.rule(f32(weight), tuple(map(f32, slots)), f32(grads), lr, count)
-        return new_w.astype(weight.dtype), tuple(n.astype(s.dtype) for s, n in zip(slots, new_slots))
+        per_slot = len(slots) // self.num_slots
+        stored = [slots[i:i + per_slot] for i in range(0, len(slots), per_slot)]
+        new_w, new_slots = self.rule(weight.astype(jnp.float32), tuple(map(decode, stored)),
+                                     grads.astype(jnp.float32), lr, count)
+        return new_w.astype(weight.dtype), tuple(a for n, s in zip(new_slots, stored) for a in encode(n, s[0].dtype))
 
     def _update_shard(self, weight, slots, rows, grads, lr, count):
         """Inside shard_map: gather ``rows``, update in float32, scatter back in the storage dtypes."""
@@ -84,6 +95,30 @@ class SparseOptimizer(NamedTuple):
         weight = weight.at[rows].set(new_w, unique_indices=True)
         slots = tuple(s.at[rows].set(n, unique_indices=True) for s, n in zip(slots, new_slots))
         return weight, slots
+
+
+def row_scaled(dtype) -> bool:
+    """Whether a state in ``dtype`` is stored with a float32 scale per row (one-byte dtypes)."""
+    return jnp.dtype(dtype).itemsize == 1
+
+
+def encode(rows: jax.Array, dtype) -> tuple:
+    """Float32 rows ``[R, D]`` as stored in ``dtype``: ``(rows,)`` rounded, or for a one-byte dtype ``(values
+    [R, D], scales [R, 1])`` with each row's largest magnitude at the dtype's largest value (round to nearest)."""
+    if not row_scaled(dtype):
+        return (rows.astype(dtype),)
+    top = float(jnp.finfo(dtype).max if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).max)
+    scale = jnp.max(jnp.abs(rows), axis=-1, keepdims=True) / top
+    values = jnp.clip(rows / jnp.where(scale > 0, scale, 1.0), -top, top)
+    if jnp.issubdtype(dtype, jnp.integer):
+        values = jnp.round(values)
+    return values.astype(dtype), scale
+
+
+def decode(stored: tuple) -> jax.Array:
+    """Float32 rows from ``encode``'s output."""
+    values, *scale = stored
+    return values.astype(jnp.float32) * scale[0] if scale else values.astype(jnp.float32)
 
 
 def sgd(momentum: float = 0.9, weight_decay: float = 5e-4, state_dtype=None) -> SparseOptimizer:
@@ -102,7 +137,14 @@ def sgd(momentum: float = 0.9, weight_decay: float = 5e-4, state_dtype=None) -> 
 
 def adamw(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.1,
           state_dtype=None) -> SparseOptimizer:
-    """AdamW (decoupled weight decay), as ``optax.adamw`` / ``torch.optim.AdamW``, on the sampled rows."""
+    """AdamW (decoupled weight decay), as ``optax.adamw`` / ``torch.optim.AdamW``, on the sampled rows.
+
+    A one-byte ``state_dtype`` is refused: a linear 8-bit code rounds a row's small second moments to 0, whose
+    steps then blow up by ``1/eps``.
+    """
+    if state_dtype is not None and row_scaled(state_dtype):
+        raise ValueError(f"adamw cannot keep its FC state in {jnp.dtype(state_dtype).name} (its second moment "
+                         "needs a float: use float32, bfloat16 or float16); one-byte states are for sgd's momentum")
 
     def rule(w, slots, g, lr, count):
         mu = b1 * slots[0] + (1 - b1) * g

@@ -1,5 +1,7 @@
 """Mesh-independent checkpoints: FC trees onto other meshes, and a run's checkpoint series with its data position."""
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,15 +10,20 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcls import checkpoint, make_mesh, weight_sharding
 from jaxcls.losses import init_weight
-from jaxcls.sparse_fc import SparseState, adamw
+from jaxcls.sparse_fc import SparseState, adamw, sgd
 
 
-@pytest.mark.parametrize("target", [(2, 4, 8), (1, 4, 4), (1, 3, 3)], ids=["(2,4)", "4 devices", "3 devices"])
-def test_fc_checkpoint_restores_onto_another_mesh(target, tmp_path, rng):
+ADAMW_BF16, SGD_INT8 = partial(adamw, state_dtype=jnp.bfloat16), partial(sgd, state_dtype=jnp.int8)
+
+
+@pytest.mark.parametrize("target, optimizer", [((2, 4, 8), ADAMW_BF16), ((1, 4, 4), ADAMW_BF16),
+                                               ((1, 3, 3), ADAMW_BF16), ((1, 3, 3), SGD_INT8)],
+                         ids=["(2,4)", "4 devices", "3 devices", "3 devices, int8 momentum"])
+def test_fc_checkpoint_restores_onto_another_mesh(target, optimizer, tmp_path, rng):
     c, d = 37, 8  # padded to 40 rows on 8 shards, 40 on 4, 39 on 3
     mesh = make_mesh(1, 8)
     weight = init_weight(jax.random.key(1), c, d, mesh, dtype=jnp.bfloat16, stddev=1.0)
-    state = adamw(state_dtype=jnp.bfloat16).init(weight)
+    state = optimizer().init(weight)
     real_rows = (np.arange(weight.shape[0]) < c)[:, None]  # padding rows hold zeros, as in training
     state = SparseState(tuple(jax.device_put((rng.normal(size=s.shape) * real_rows).astype(s.dtype), s.sharding)
                               for s in state.slots), jnp.int32(17))
@@ -26,7 +33,7 @@ def test_fc_checkpoint_restores_onto_another_mesh(target, tmp_path, rng):
     data, classes, n = target
     new_mesh = make_mesh(data, classes, devices=jax.devices()[:n])
     new_weight = init_weight(jax.random.key(9), c, d, new_mesh, dtype=jnp.bfloat16)
-    abstract = checkpoint.abstract_like({"weight": new_weight, "opt": adamw(state_dtype=jnp.bfloat16).init(new_weight),
+    abstract = checkpoint.abstract_like({"weight": new_weight, "opt": optimizer().init(new_weight),
                                          "num_classes": jnp.int32(0)})
     restored = checkpoint.restore(tmp_path / "fc", abstract)
     checkpoint.check_num_classes(restored["num_classes"], c)

@@ -66,6 +66,7 @@ def test_unknown_names_are_refused_before_any_data_is_opened(key, table, what, t
     (dict(mesh_data=3), "mesh_data 3 does not divide the 8 devices"),
     (dict(warmup_steps=6), "warmup_steps 6 must be below total_steps 6"),
     (dict(num_classes=10), "num_classes 10 is smaller than the 64 classes in the data"),
+    (dict(optimizer="adamw", fc_state_dtype="int8"), "adamw cannot keep its FC state in int8"),
 ])
 def test_inconsistent_values(overrides, message):
     with pytest.raises(ValueError, match=message):

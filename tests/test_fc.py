@@ -1,5 +1,7 @@
 """The fused FC step (``FCHead.step``): loss, embedding gradient and sparse update against float64 references."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,7 @@ from jaxcls.hlo import collectives
 from jaxcls.fc import FCHead
 from jaxcls.losses import sharded_margin_loss
 from jaxcls.partial_fc import gather_rows
-from jaxcls.sparse_fc import SparseState, adamw, sgd
+from jaxcls.sparse_fc import SparseState, adamw, decode, encode, sgd
 from reference import MARGINS, adamw_step, rel_err, sgd_step, value_and_grads
 
 LAYOUTS = [((1, 8), ("data", "class")), ((2, 4), ("data", "class")), ((2, 4), ("class",)), ((4, 2), ("class",))]
@@ -141,8 +143,34 @@ def test_compact_storage_matches_the_autodiff_route(dtype, rng):
     np.testing.assert_allclose(np.asarray(new_w, np.float32), np.asarray(ref_w, np.float32), rtol=ulp, atol=1e-6)
 
 
-def compiled_fc_step(mesh, c, rate, chunk, d=64, n=64):
-    head = FCHead(mesh, c, d, MARGINS["arcface"], sgd(), sample_rate=rate, chunk_size=chunk)
+@pytest.mark.parametrize("state_dtype", [jnp.int8, jnp.float8_e4m3fn])
+def test_one_byte_state_matches_the_autodiff_route(state_dtype, rng):
+    head, weight, _, emb, labels, sample = setup(rng, (2, 4), ("data", "class"), 0.4, 5)
+    head = dataclasses.replace(head, optimizer=sgd(state_dtype=state_dtype))
+    real = np.arange(head.rows)[:, None] < head.num_classes
+    momentum = jax.device_put(np.where(real, rng.normal(size=weight.shape), 0).astype(np.float32), weight.sharding)
+    state = SparseState(jax.jit(encode, static_argnums=1)(momentum, state_dtype), jnp.int32(9))
+    _, _, new_w, new_state = run(head, weight, state, emb, labels, sample, 0.1)
+    f = lambda r: sharded_margin_loss(emb, r, labels, head.margin, mesh=head.mesh, num_classes=head.num_classes,
+                                      row_classes=sample.classes)
+    g_rows = jax.jit(jax.grad(f))(gather_rows(weight, sample, mesh=head.mesh))
+    ref_w, ref_state = jax.jit(lambda w, s, g: head.optimizer.update(w, s, sample.rows, g, 0.1, mesh=head.mesh))(
+        weight, state, g_rows)
+    assert [(a.dtype, a.shape) for a in new_state.slots] == [(a.dtype, a.shape) for a in state.slots]
+    assert rel_err(np.asarray(new_w) - weight, np.asarray(ref_w) - weight) < 1e-5
+    # float32 both ways, summed in another order: a value may round to the neighbouring code value
+    new, ref = np.asarray(decode(new_state.slots)), np.asarray(decode(ref_state.slots))
+    values, scales = np.asarray(ref_state.slots[0], np.float32), np.asarray(ref_state.slots[1])
+    code_step = scales if state_dtype == jnp.int8 else np.abs(values) * scales * float(jnp.finfo(state_dtype).eps)
+    assert np.all(np.abs(new - ref) <= 1.01 * code_step + 1e-6 * scales)
+    rows = sampled_global_rows(head, sample.rows)
+    untouched = np.setdiff1d(np.arange(head.rows), rows[rows < head.num_classes])
+    for a, b in zip((new_w, *new_state.slots), (weight, *state.slots)):  # bit for bit
+        assert np.array_equal(np.asarray(a)[untouched], np.asarray(b)[untouched])
+
+
+def compiled_fc_step(mesh, c, rate, chunk, d=64, n=64, state_dtype=None):
+    head = FCHead(mesh, c, d, MARGINS["arcface"], sgd(state_dtype=state_dtype), sample_rate=rate, chunk_size=chunk)
     weight, state = jax.eval_shape(head.init, jax.random.key(0))
     emb = jax.ShapeDtypeStruct((n, d), jnp.float32, sharding=batch_sharding(mesh))
     labels = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=batch_sharding(mesh))
@@ -153,14 +181,14 @@ def compiled_fc_step(mesh, c, rate, chunk, d=64, n=64):
     return jax.jit(step, donate_argnums=(0, 1)).lower(weight, state, emb, labels, jax.random.key(0)).compile()
 
 
-@pytest.mark.parametrize("rate", [1.0, 0.25])
-def test_compiled_step_updates_in_place_with_no_class_sized_temporaries_or_collectives(rate):
+@pytest.mark.parametrize("rate, state_dtype", [(1.0, None), (0.25, None), (0.25, jnp.int8)])
+def test_compiled_step_updates_in_place_with_no_class_sized_temporaries_or_collectives(rate, state_dtype):
     mesh, d, n = make_mesh(2, 4), 64, 64
-    small, large = (compiled_fc_step(mesh, 8 * rows, rate, chunk=512) for rows in (4096, 16384))
+    small, large = (compiled_fc_step(mesh, 8 * rows, rate, 512, state_dtype=state_dtype) for rows in (4096, 16384))
     sizes = [c.largest for c in collectives(large.as_text())]
     assert sizes and max(sizes) <= n * d, f"a collective scales with the classes: {sizes}"
     m_small, m_large = small.memory_analysis(), large.memory_analysis()
-    row_bytes = 2 * d * 4  # weight and momentum, float32
+    row_bytes = d * 4 + (d * 4 if state_dtype is None else d + 4)  # float32 weight; momentum (int8: and a scale)
     assert m_large.alias_size_in_bytes >= 16384 * row_bytes, "weight and momentum must be updated in place"
     per_row = (m_large.temp_size_in_bytes - m_small.temp_size_in_bytes) / (16384 - 4096)
     assert per_row < 8, f"temporaries grow by {per_row:.1f} B per class row (a row holds {row_bytes} B)"

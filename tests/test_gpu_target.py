@@ -23,23 +23,27 @@ D = 32  # tiny.py's embedding size
 
 
 @functools.cache
-def compiled_at(rows: int):
-    """``(run, compiled step)`` of the tiny config, bfloat16 compute and FC state, PartialFC 0.5, on 8 H100s."""
+def compiled_at(rows: int, fc_state_dtype: str = "same"):
+    """``(run, compiled step)`` of the tiny config, bfloat16 compute and FC weight (its state in ``fc_state_dtype``),
+    PartialFC 0.5, on 8 H100s."""
     config = get_config(num_classes=8 * rows, sample_rate=0.5, chunk_size=1024, precision="bfloat16",
-                        fc_dtype="bfloat16", mesh_data=2)
+                        fc_dtype="bfloat16", fc_state_dtype=fc_state_dtype, mesh_data=2)
     run = build(config, gpu_target.gpu_devices("h100", 8), with_data=False)
     return run, run.compile_step(run.abstract_state, gpu_target.COMPILE_OPTIONS)
 
 
 @pytest.mark.slow
 @needs_plugin
-def test_the_fc_update_is_in_place_and_no_collective_grows_with_the_classes():
-    (small_run, small), (big_run, big) = compiled_at(ROWS[0]), compiled_at(ROWS[1])
+@pytest.mark.parametrize("fc_state_dtype", ["same", "int8"])
+def test_the_fc_update_is_in_place_and_no_collective_grows_with_the_classes(fc_state_dtype):
+    (small_run, small), (big_run, big) = (compiled_at(rows, fc_state_dtype) for rows in ROWS)
     assert big_run.mesh.devices.flat[0].device_kind == "NVIDIA H100 80GB HBM3"
     more_rows = ROWS[1] - ROWS[0]
-    grown = step_memory(big_run, big).parts["FC weight"] - step_memory(small_run, small).parts["FC weight"]
-    assert grown == more_rows * D * 2  # bfloat16 rows
-    # the bfloat16 weight and momentum are updated in place: the temporaries hold no FC-sized copy (XLA:CPU's do,
+    grown = {part: step_memory(big_run, big).parts[part] - step_memory(small_run, small).parts[part]
+             for part in ("FC weight", "FC optimizer state")}
+    momentum_row = D * 2 if fc_state_dtype == "same" else D + 4  # bfloat16, or int8 and a float32 scale
+    assert grown == {"FC weight": more_rows * D * 2, "FC optimizer state": more_rows * momentum_row}
+    # the weight and momentum are updated in place: the temporaries hold no FC-sized copy (XLA:CPU's do,
     # 2 × 64 B per row here); what grows is a few bytes per row of PartialFC's sampling
     extra = big.memory_analysis().temp_size_in_bytes - small.memory_analysis().temp_size_in_bytes
     assert 0 <= extra <= 4 * more_rows, extra

@@ -18,20 +18,25 @@ def tiny_run(num_classes=64, devices=8, **overrides):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh_data, class_axes, fc_dtype", [(1, "data,class", "float32"), (2, "class", "bfloat16")])
-def test_parts_are_the_shards_each_device_holds_and_sum_to_xla_total(mesh_data, class_axes, fc_dtype):
+@pytest.mark.parametrize("mesh_data, class_axes, fc_dtype, optimizer, fc_state_dtype", [
+    (1, "data,class", "float32", "adamw", "same"), (2, "class", "bfloat16", "adamw", "same"),
+    (2, "class", "bfloat16", "sgd", "int8")])
+def test_parts_are_the_shards_each_device_holds_and_sum_to_xla_total(mesh_data, class_axes, fc_dtype, optimizer,
+                                                                      fc_state_dtype):
     run = tiny_run(num_classes=1000, mesh_data=mesh_data, class_axes=class_axes, fc_dtype=fc_dtype,
-                   optimizer="adamw")
+                   optimizer=optimizer, fc_state_dtype=fc_state_dtype)
     compiled = run.compile_step(run.abstract_state)
     parts = step_memory(run, compiled).parts
     c, shards = run.config, 8 // mesh_data if class_axes == "class" else 8
     rows = -(-1000 // shards)
     itemsize = 2 if fc_dtype == "bfloat16" else 4
     assert parts["FC weight"] == rows * c.num_features * itemsize
-    assert parts["FC optimizer state"] == 2 * rows * c.num_features * itemsize + 4  # AdamW: m, v; a step count
+    # AdamW: m and v; SGD: the momentum, int8 with a float32 scale per row; and a step count
+    state_row = 2 * c.num_features * itemsize if optimizer == "adamw" else c.num_features + 4
+    assert parts["FC optimizer state"] == rows * state_row + 4
     params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(run.abstract_state["params"]))
     assert parts["backbone parameters"] == params  # replicated: every device holds all of them
-    assert parts["backbone optimizer state"] > params  # AdamW's two moments (and counts)
+    assert parts["backbone optimizer state"] > (params if optimizer == "adamw" else 0)  # AdamW's two moments
     per_device = c.batch_size // 8
     assert parts["input batch"] == per_device * c.data.input_size ** 2 * 3 + per_device * 4
     stats = compiled.memory_analysis()

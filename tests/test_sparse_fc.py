@@ -11,7 +11,7 @@ import pytest
 from jaxcls import make_mesh
 from jaxcls.losses import init_weight
 from jaxcls.partial_fc import gather_rows
-from jaxcls.sparse_fc import SparseState, adamw, sgd
+from jaxcls.sparse_fc import SparseState, adamw, decode, encode, sgd
 from problems import draw
 
 
@@ -105,3 +105,49 @@ def assert_rounded_float32_result(stored, exact, dtype, operands):
     bound = half_ulp + 4 * float(np.finfo(np.float32).eps) * operands
     error = np.abs(np.asarray(stored, np.float32) - exact)
     assert np.all(error <= bound), f"{np.sum(error > bound)} values off by up to {np.max(error - bound):.3g}"
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn])
+def test_one_byte_state_is_the_float32_momentum_rounded_to_a_scale_per_row(dtype, rng):
+    mesh = make_mesh(2, 4)
+    c, d = 8 * 20 - 3, int(rng.integers(4, 40))
+    labels, sample, rows = draw(rng, mesh, c, 16, 0.2)
+    weight = init_weight(jax.random.key(int(rng.integers(2**31))), c, d, mesh, stddev=1.0)
+    opt = sgd(state_dtype=dtype)
+    values, scales = opt.init(weight).slots
+    assert values.dtype == dtype and values.shape == weight.shape and scales.shape == (weight.shape[0], 1)
+    assert values.sharding == scales.sharding == weight.sharding
+    # a random stored momentum (rows of very different sizes), written by the code itself
+    momentum = rng.normal(size=weight.shape) * np.exp(rng.uniform(-8, 3, size=(weight.shape[0], 1)))
+    momentum[rng.integers(0, rows, size=3)] = 0.0  # all-zero rows (as every row at the start) stay exact
+    state = SparseState(jax.jit(encode, static_argnums=1)(jax.device_put(momentum.astype(np.float32),
+                                                                         weight.sharding), dtype), jnp.int32(3))
+    grads = jax.device_put(rng.normal(size=(len(sample.rows), d)).astype(np.float32), weight.sharding)
+    lr = float(rng.uniform(0.01, 0.5))
+    new_w, new_state = jax.jit(partial(opt.update, mesh=mesh))(weight, state, sample.rows, grads, lr)
+
+    c_local = rows // 8
+    global_rows = np.asarray(sample.rows) + np.repeat(np.arange(8) * c_local, len(sample.rows) // 8)
+    w64, old = np.asarray(weight, np.float64)[global_rows], np.asarray(decode(state.slots), np.float64)[global_rows]
+    exact = 0.9 * old + np.asarray(grads, np.float64) + 5e-4 * w64  # the float64 momentum of this step
+    operands = 0.9 * np.abs(old) + np.abs(np.asarray(grads)) + 5e-4 * np.abs(w64)
+    f32 = 4 * float(np.finfo(np.float32).eps) * operands
+    # the weight moves by the momentum before it is rounded for storage
+    assert np.all(np.abs(np.asarray(new_w)[global_rows] - (w64 - lr * exact)) <= 2e-6 * np.abs(w64) + lr * f32)
+    new_values, new_scales = (np.asarray(a, np.float64)[global_rows] for a in new_state.slots)
+    top = float(jnp.finfo(dtype).max if dtype == jnp.float8_e4m3fn else jnp.iinfo(dtype).max)
+    row_max = np.max(np.abs(exact), axis=1, keepdims=True)
+    # the largest magnitude maps to the top value
+    assert np.all(np.abs(new_scales - row_max / top) <= (np.max(f32, axis=1, keepdims=True) + 1e-6 * row_max) / top)
+    assert np.array_equal(np.max(np.abs(new_values), axis=1), np.full(len(global_rows), top))
+    # each value is the nearest one of the code (half a step off at most), in units of its row's scale
+    scaled = exact / new_scales
+    step = 1.0 if dtype == jnp.int8 else np.maximum(np.abs(scaled) * float(jnp.finfo(dtype).eps),
+                                                    float(jnp.finfo(dtype).smallest_subnormal))
+    assert np.all(np.abs(new_values - scaled) <= step / 2 + f32 / new_scales + 1e-5 * np.abs(scaled))
+    untouched = np.setdiff1d(np.arange(rows), global_rows)
+    for new, before in zip((new_w, *new_state.slots), (weight, *state.slots)):
+        assert np.array_equal(np.asarray(new)[untouched], np.asarray(before)[untouched])
+    zero_rows = np.all(momentum == 0, axis=1)  # stored with scale 0; they decode to zeros, not NaN
+    assert np.all(np.asarray(state.slots[1])[zero_rows] == 0)
+    assert np.all(np.asarray(decode(state.slots))[zero_rows] == 0)
