@@ -59,7 +59,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.chunk_size = DEFAULT_CHUNK  # FC rows per tile of the fused FC step (0: one tile per shard)
     c.fc_dtype = "float32"  # storage of FC weight and its optimizer state
     c.fc_state_dtype = "same"  # storage of the FC optimizer state: as fc_dtype, or float32 | bfloat16 | float16 |
-    # int8 | float8_e4m3fn (one byte per value and a float32 scale per row: sgd only; docs/partial_fc.md)
+    # int8 (one byte per value and a float32 scale per row: sgd only; docs/partial_fc.md)
     c.mem_fraction = 0.0  # share of each GPU's memory XLA may allocate (XLA_PYTHON_CLIENT_MEM_FRACTION), set before
     # the backend starts; 0: the environment's XLA_PYTHON_CLIENT_MEM_FRACTION, else JAX's default 0.75
     # Optimization (arcface_torch defaults).

@@ -22,7 +22,8 @@ SCRIPTS = {
     "cross_host.py": {"class_axes", "mesh", "cross_host_MB_per_host", "collectives"},
     "inference.py": {"runtime", "model", "batch", "img_per_s", "max_rel_err"},
     "planner.py": {"model", "classes", "planner_GiB", "planner_parts", "device_GiB", "peak_GiB"},
-    "gpu_plan.py": {"model", "gpus", "fixed_GiB", "bytes_per_class", "max_classes_75", "max_classes_95"},
+    "gpu_plan.py": {"model", "fc_state_dtype", "gpus", "fixed_GiB", "bytes_per_class", "max_classes_75",
+                    "max_classes_95"},
     "gpu_program.py": {"program", "kind", "kernels", "result_MiB", "moved_GiB"},
     "profile_step.py": {"program", "wall_ms", "device_ms", "fusion_ms"},
 }
