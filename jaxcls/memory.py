@@ -144,8 +144,9 @@ def check_fits(memory: StepMemory, devices, advice: str = "") -> str | None:
         raise DoesNotFit(
             f"the train step needs {format_bytes(memory.total)} per device, more than the {format_bytes(limit)} "
             f"XLA may allocate on {devices[0].device_kind}",
-            [*memory.table(limit), "lower batch_size or sample_rate (PartialFC), set fc_dtype=bfloat16 or "
-             "remat=full, or add devices; config.mem_fraction raises XLA's share of the device (default 0.75)"
+            [*memory.table(limit), "lower batch_size or sample_rate (PartialFC), set fc_dtype=bfloat16 (and "
+             "fc_state_dtype=int8) or remat=full, or add devices; config.mem_fraction raises XLA's share of the "
+             "device (default 0.75)"
              + advice])
     return None if limit is None else (f"train step: {format_bytes(memory.total)} per device of the "
                                        f"{format_bytes(limit)} XLA may allocate ({memory.total / limit:.0%})")
