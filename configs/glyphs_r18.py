@@ -10,7 +10,8 @@ eval-mode embeddings (at s = 64 verification stays at 50%; at s = 32 one seed re
 reaches 97% on a GPU (../shared/ANCHORS.md, calibration section); the collapse warning in the logs catches the
 former. Scale s = 32, not insightface's 64: at 64 every run first sat on a loss plateau for 5 to 9 epochs and
 the seed that left it last ended at 92.3% (the others: 96.1, 95.6%); at 32 the loss falls from the start and
-seeds 0, 1, 2 reached 97.4, 97.0, 97.2% (97.2% +- 0.2 on glyphs_pairs.bin). m = 0.45 did as well as 0.35 (one
+seeds 0, 1, 2 reached 97.4, 97.0, 97.2% (97.2% +- 0.2 on glyphs_pairs.bin;
+after the one-read BatchNorm statistics, seeds 0 and 1 reach 97.12 and 97.23%). m = 0.45 did as well as 0.35 (one
 seed: 97.3 against 97.4%).
 """
 
