@@ -3,10 +3,12 @@
 # process under a time limit, so that one failure or overrun costs only its own job. $OUT gets log.txt and
 # results.tgz (every JSON written so far, rewritten after each job, so an overrun still returns what finished).
 #
-#   bash benchmarks/gpu_lease.sh 'train:model=r50 batch=128' 'torch:r50 128' ...
+#   bash benchmarks/gpu_lease.sh 'train:model=r50 batch=128' 'torch:r50 128' 'torch:r50 128 8000000 --compile' ...
 #
-# Job forms: `train:KEY=VALUE ...` (benchmarks/train.py --only each pair), `torch:NETWORK BATCH` (arcface_torch's step
-# from .gpudata/bench, same classes, sample rate and fp16), `py:SCRIPT ARGS` (any benchmark script), `sh:COMMAND`.
+# Job forms: `train:KEY=VALUE ... [--set KEY=VALUE ...]` (benchmarks/train.py --only each pair, other arguments as
+# they are), `torch:NETWORK BATCH [CLASSES] [ARGS]` (arcface_torch's step from .gpudata/bench: PartialFC 0.1 with
+# fp16 as train_v2.py runs it, CLASSES default 1000000, ARGS e.g. --compile or --max-classes), `py:SCRIPT ARGS` (any
+# benchmark script), `sh:COMMAND`. Each job's exit status is logged (124: past its time limit).
 # JOB_LIMIT (seconds, default 300) bounds each job. Carry two git-ignored folders with the call:
 #   .whl      jaxcls's dependencies the GPU image lacks, as cp312 wheels: `pip download --no-deps --only-binary=:all:
 #             --python-version 3.12 --platform manylinux2014_x86_64 --platform any -d .whl ml_collections
@@ -29,15 +31,20 @@ for job in "$@"; do
   echo "=== $(date +%T) $job"
   start=$SECONDS
   case $kind in
-    train) only=(); for kv in $spec; do only+=(--only "$kv"); done
-           timeout "${JOB_LIMIT:-300}" python3 benchmarks/train.py "${only[@]}" --out "$RESULTS/$name.json" ;;
-    torch) read -r network batch <<< "$spec"
+    train) args=(); prev=""
+           for word in $spec; do  # KEY=VALUE selects grid rows (--only), except as the value of a --set
+             [[ $word == *=* && $prev != --set ]] && args+=(--only); args+=("$word"); prev=$word
+           done
+           timeout "${JOB_LIMIT:-300}" python3 benchmarks/train.py "${args[@]}" --out "$RESULTS/$name.json" ;;
+    torch) read -r network batch classes extra <<< "$spec"
+           [[ ${classes:-} == -* ]] && { extra="$classes ${extra:-}"; classes=""; }
            timeout "${JOB_LIMIT:-300}" python3 .gpudata/bench/arcface_torch_bench.py \
-             --network "$network" --batch "$batch" \
-             --classes 1000000 --sample-rate 0.1 --fp16 --out "$RESULTS/$name.json" ;;
+             --network "$network" --batch "$batch" --classes "${classes:-1000000}" --sample-rate 0.1 --fp16 \
+             ${extra:-} --out "$RESULTS/$name.json" ;;
     py)    timeout "${JOB_LIMIT:-300}" python3 $spec ;;
     sh)    timeout "${JOB_LIMIT:-300}" bash -c "$spec" ;;
   esac
-  echo "=== $(date +%T) rc=$? after $((SECONDS - start)) s: $job"
+  rc=$?  # read before anything else runs: `$(date)` below would reset $?
+  echo "=== $(date +%T) rc=$rc after $((SECONDS - start)) s: $job"
   tar czf "$OUT/results.tgz" "$RESULTS" benchmarks/results 2>/dev/null
 done
