@@ -2,7 +2,9 @@
 
 Each model is built in PyTorch with random weights, random BatchNorm affine parameters and running statistics and
 random PReLU slopes, converted, and its jaxcls embeddings of real (glyph) images compared with PyTorch's, in float32,
-with arcface_torch's input convention (RGB, (x/255 − 0.5)/0.5, NCHW 112×112).
+with arcface_torch's input convention (RGB, (x/255 − 0.5)/0.5, NCHW 112×112). Those tests need torch and insightface's
+code and skip without them; the committed fixtures in tests/fixtures (r18, mbf and a narrow ViT, written by
+insightface's code) check the same without either.
 """
 
 import functools
@@ -26,26 +28,47 @@ from jaxcls.data.recordio import DataError
 from jaxcls.inference import Embedder, agreement, deployed, deployed_input, restore_backbone
 from jaxcls.torch_pth import load_state_dict, save_pth
 
-torch = pytest.importorskip("torch", reason="torch is needed to check the conversion against insightface's models")
-
 INSIGHTFACE = Path(__file__).resolve().parents[2] / "shared" / "bench" / "insightface"
-pytestmark = [pytest.mark.filterwarnings("ignore:`torch.cuda.amp.autocast:FutureWarning"),  # insightface's code
-              pytest.mark.skipif(not (INSIGHTFACE / "backbones" / "__init__.py").is_file(),
-                                 reason=f"insightface's arcface_torch backbones not found at {INSIGHTFACE}/backbones")]
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.cuda.amp.autocast:FutureWarning")  # insightface's code
 GLYPHS = Path(__file__).resolve().parents[2] / "shared" / "data" / "glyphs"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 COSINE, RELATIVE = 0.99999, 2e-5  # per embedding, float32
+
+
+@pytest.fixture(scope="module")
+def torch():
+    """PyTorch, for the tests that run insightface's models live: they skip without it or without insightface's code."""
+    if not (INSIGHTFACE / "backbones" / "__init__.py").is_file():
+        pytest.skip(f"insightface's arcface_torch backbones not found at {INSIGHTFACE}/backbones")
+    return pytest.importorskip("torch", reason="torch is needed to run insightface's PyTorch models live")
+
+
+def import_file(name: str, path: Path):
+    """The module at ``path`` (the package, for an ``__init__.py``), imported under ``name``."""
+    package = [str(path.parent)] if path.name == "__init__.py" else None
+    spec = importlib.util.spec_from_file_location(name, path, submodule_search_locations=package)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 @functools.cache
 def insightface():
     """insightface's ``backbones`` package (``get_model``), imported under a name of its own."""
-    spec = importlib.util.spec_from_file_location("insightface_backbones", INSIGHTFACE / "backbones" / "__init__.py",
-                                                  submodule_search_locations=[str(INSIGHTFACE / "backbones")])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    import torch
     torch.set_num_threads(1)  # pytest runs two workers on two cores; two threads each wait on each other
-    return module
+    return import_file("insightface_backbones", INSIGHTFACE / "backbones" / "__init__.py")
+
+
+@functools.cache
+def recorded(name: str) -> tuple[dict, np.ndarray, np.ndarray]:
+    """``(state dict, uint8 images, embeddings)``: insightface's ``name`` as tests/fixtures/make_cnn_reference.py
+    recorded it, its weights drawn again by that script's recipe (numpy only, no torch)."""
+    maker = import_file("make_cnn_reference", FIXTURES / "make_cnn_reference.py")
+    reference = np.load(FIXTURES / f"{name}_reference.npz")
+    state = maker.recipe_state(json.loads((FIXTURES / f"{name}_reference.json").read_text()))
+    return state, reference["images"], reference["embeddings"]
 
 
 @functools.cache
@@ -67,6 +90,7 @@ def torch_model(name: str, seed: int = 0, calibration_images: int = 2):
     (var × U(0.5, 2)) and shifted (mean + 0.1 σ N(0, 1)); BatchNorm weights
     U(0.5, 1.5) but the IResNet's frozen ``features.weight`` (1), biases N(0, 0.1), PReLU slopes U(0, 0.5),
     ``num_batches_tracked`` 123."""
+    import torch
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     model = insightface().get_model(name)
@@ -95,6 +119,7 @@ def torch_model(name: str, seed: int = 0, calibration_images: int = 2):
 
 
 def torch_embed(model, n: int) -> np.ndarray:
+    import torch
     with torch.no_grad():
         return model(torch.from_numpy(deployed_input(images(n)))).numpy()
 
@@ -109,10 +134,10 @@ def embed_fn(graphdef):
     return jax.jit(lambda state, x: deployed(nnx.merge(graphdef, state))(x))
 
 
-def jax_embed(model, n: int) -> np.ndarray:
-    """The embeddings of ``images(n)`` by ``deployed(model)``."""
+def jax_embed(model, uint8_images: np.ndarray) -> np.ndarray:
+    """The embeddings of ``uint8_images`` by ``deployed(model)``, on one device."""
     graphdef, state = nnx.split(model)
-    return np.asarray(embed_fn(graphdef)(state, deployed_input(images(n))))
+    return np.asarray(embed_fn(graphdef)(state, deployed_input(uint8_images)))
 
 
 def check_agreement(name, got, want):
@@ -138,6 +163,7 @@ converted = functools.cache(convert)  # for the small models that several tests 
 
 
 @pytest.mark.slow  # whole backbones in PyTorch and XLA
+@pytest.mark.usefixtures("torch")
 @pytest.mark.parametrize("name", [name for name in ARCFACE_MODELS if not name.startswith("vit")])  # ViTs: below
 def test_converted_backbone_embeds_as_insightface(name):
     model, state, converted_model = converted(name) if name in ("r18", "mbf") else convert(name)
@@ -145,7 +171,7 @@ def test_converted_backbone_embeds_as_insightface(name):
     n = BATCH.get(name, 4)
     want = torch_embed(model, n)
     assert np.all(np.isfinite(want)) and np.abs(want).max() > 1
-    check_agreement(name, jax_embed(converted_model, n), want)
+    check_agreement(name, jax_embed(converted_model, images(n)), want)
     back = jaxcls_to_torch(converted_model, name)  # the inverse gives every tensor back, bit for bit
     assert list(back) == list(state)
     for key, value in state.items():
@@ -156,6 +182,7 @@ def test_converted_backbone_embeds_as_insightface(name):
 
 
 @pytest.mark.slow  # whole backbones in PyTorch and XLA
+@pytest.mark.usefixtures("torch")
 def test_the_fc_rows_are_permuted_from_nchw_to_nhwc():
     """The IResNet's fc reads the flattened [512, 7, 7] features: a mere transpose of its weight (reading torch's
     (c, h, w) order as jaxcls's (h, w, c)) gives other embeddings; the permutation gives insightface's."""
@@ -166,12 +193,12 @@ def test_the_fc_rows_are_permuted_from_nchw_to_nhwc():
                                        if path == ("fc", "kernel") else v) for path, v in nnx.to_flat_state(params)])
     naive = np.asarray(embed_fn(graphdef)(transposed, deployed_input(images(4))))
     assert agreement(naive, want)[0] < 0.99
-    check_agreement("r18", jax_embed(converted_model, 4), want)
+    check_agreement("r18", jax_embed(converted_model, images(4)), want)
 
 
 @pytest.mark.slow  # whole backbones in PyTorch and XLA
 @pytest.mark.parametrize("name", ["r18", "mbf"])
-def test_a_jaxcls_backbone_loads_strictly_into_insightface(name, rng):
+def test_a_jaxcls_backbone_loads_strictly_into_insightface(name, rng, torch):
     """jaxcls → torch on a model whose every variable was changed in jaxcls (so nothing is a copy of a torch
     file): insightface's ``load_state_dict(strict=True)`` takes it and embeds as jaxcls does."""
     _, _, converted_model = converted(name)
@@ -182,13 +209,14 @@ def test_a_jaxcls_backbone_loads_strictly_into_insightface(name, rng):
     fresh = insightface().get_model(name).eval()
     assert list(state) == list(fresh.state_dict())
     fresh.load_state_dict({k: torch.tensor(v) for k, v in state.items()}, strict=True)
-    check_agreement(name, torch_embed(fresh, 4), jax_embed(model, 4))
+    check_agreement(name, torch_embed(fresh, 4), jax_embed(model, images(4)))
     assert agreement(torch_embed(fresh, 4), torch_embed(converted(name)[0], 4))[0] < COSINE  # it did change
 
 
 def test_mapping_errors_name_the_tensors():
-    _, state, converted_model = converted("r18")
+    state = recorded("r18")[0]
     to_jaxcls = lambda s, name="r18", **kw: torch_to_jaxcls(s, name, source="b.pth", **kw)
+    converted_model = to_jaxcls(state)
 
     # DataParallel's module. prefix is stripped: the same model
     prefixed = to_jaxcls({f"module.{k}": v for k, v in state.items()})
@@ -259,7 +287,7 @@ def _with(config, **model_kwargs):
 
 
 @pytest.mark.slow  # whole backbones in PyTorch and XLA
-def test_cli_imports_a_pth_and_exports_it_back(tmp_path):
+def test_cli_imports_a_pth_and_exports_it_back(tmp_path, torch):
     model, state, _ = converted("r18")
     # a DataParallel model's file, written by torch
     torch.save({f"module.{k}": v for k, v in model.state_dict().items()}, tmp_path / "backbone.pth")
@@ -308,14 +336,14 @@ def test_import_torch_reads_the_file_and_names_it_in_errors(tmp_path):
     save_pth(tmp_path / "fc.pth", {"weight": np.zeros((10, 512), np.float32)})
     with pytest.raises(DataError, match=rf"^{tmp_path / 'fc.pth'}: not the state dict of arcface_torch's r50"):
         import_torch(tmp_path / "fc.pth", "r50", tmp_path / "run")
-    _, state, _ = converted("mbf")
-    save_pth(tmp_path / "mbf.pth", state)
+    save_pth(tmp_path / "mbf.pth", recorded("mbf")[0])
     with pytest.raises(DataError, match=rf"^{tmp_path / 'mbf.pth'}: 5 tensor\(s\) of another shape .*--num_features"):
         import_torch(tmp_path / "mbf.pth", "mbf", tmp_path / "run", num_features=128)
     assert not (tmp_path / "run").exists()  # nothing written
 
 
 @pytest.mark.slow  # a PyTorch training and whole backbones in both frameworks
+@pytest.mark.usefixtures("torch")
 @pytest.mark.skipif(not (GLYPHS / "train.rec").exists(), reason=f"the glyphs data set is not at {GLYPHS}")
 def test_a_model_trained_by_arcface_torch_code_imports_and_embeds_as_pytorch(tmp_path):
     """benchmarks/arcface_torch_train.py (arcface_torch's step, here on the CPU) writes a backbone whose weights and
@@ -347,7 +375,18 @@ def test_a_model_trained_by_arcface_torch_code_imports_and_embeds_as_pytorch(tmp
         assert row["one_minus_min_cosine"] <= 1 - COSINE and row["max_relative_error"] <= RELATIVE, name
 
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
+@pytest.mark.slow  # whole backbones in XLA
+@pytest.mark.parametrize("name", ["r18", "mbf"])
+def test_a_cnn_converts_as_insightface_computes_it(name):
+    """insightface's own r18 and mbf (arcface_torch's iresnet.py and mobilefacenet.py, weights drawn by a numpy recipe)
+    embedded glyph images (tests/fixtures/make_cnn_reference.py): the same weights, drawn again here without torch,
+    convert to a jaxcls model that embeds them as insightface did; read with every kernel's kH and kW swapped (as a
+    layout error would), they give other embeddings."""
+    state, uint8_images, want = recorded(name)
+    assert list(state) == torch_keys(name)  # insightface's keys, in its order
+    check_agreement(name, jax_embed(torch_to_jaxcls(state, name), uint8_images), want)
+    swapped = {k: v.swapaxes(2, 3) if v.ndim == 4 else v for k, v in state.items()}
+    assert agreement(jax_embed(torch_to_jaxcls(swapped, name), uint8_images), want)[0] < 0.999
 
 
 def test_a_vit_converts_as_insightface_computes_it():
