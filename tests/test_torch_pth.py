@@ -37,7 +37,7 @@ INSIGHTFACE = Path(__file__).resolve().parents[2] / "shared" / "bench" / "insigh
 
 @pytest.fixture(scope="module")
 def torch():
-    return pytest.importorskip("torch")
+    return pytest.importorskip("torch", reason="torch writes the files these tests read")
 
 
 def save(torch, obj, path, layout):
