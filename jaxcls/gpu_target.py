@@ -13,7 +13,6 @@ default Triton tiles), so a real GPU's compile may need somewhat more temporarie
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import re
 import tempfile
@@ -23,9 +22,10 @@ from pathlib import Path
 import jax
 from jax.experimental import topologies  # compile-only devices: no stable path exists yet
 
+from jaxcls.startup import PLUGINS, plugin_installed
+
 TARGETS = {"h100": "h100.txtpb", "h200": "h200.txtpb", "a100-80gb": "a100-80gb.txtpb"}
 SPECS = Path(__file__).parent / "gpu_targets"
-PLUGINS = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
 # CUB's radix sort (PartialFC's top_k) asks the CUDA runtime for the device while the executable is built;
 # XLA's own sort needs no device and the same buffers (measured: equal temporaries with CUB on a GPU)
 COMPILE_OPTIONS = {"xla_gpu_enable_cub_radix_sort": False}
@@ -56,7 +56,7 @@ def _plugin_version() -> str | None:
 def missing_plugin() -> str | None:
     """Why this machine cannot compile for a GPU (the plugin is absent, or of another version than jaxlib, which
     JAX ignores), with the command that fixes it; ``None`` if it can."""
-    if not any(importlib.util.find_spec(p.split(".")[0]) and importlib.util.find_spec(p) for p in PLUGINS):
+    if not plugin_installed(PLUGINS):
         return f"compiling for a GPU needs JAX's CUDA plugin, which is not installed: {install_command()}"
     if (version := _plugin_version()) not in (None, jax.lib.__version__):
         return f"JAX's CUDA plugin is version {version}, jaxlib {jax.lib.__version__}: {install_command()}"

@@ -11,7 +11,6 @@ just those tests, for a sweep over seeds:
 """
 
 import os
-import re
 import shutil
 import socket
 import tempfile
@@ -23,9 +22,12 @@ os.environ["XLA_FLAGS"] = " ".join(
      "--xla_backend_optimization_level=0"]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402  (must come after XLA_FLAGS)
+import jaxcls  # noqa: E402,F401  (after XLA_FLAGS; before jax, which it imports without the CUDA plugin's noise)
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+from jaxcls import gpu_target  # noqa: E402
 
 assert jax.device_count() == 8, "tests need 8 CPU devices: import jax only after conftest sets XLA_FLAGS"
 
@@ -41,14 +43,6 @@ os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [
     os.environ.get("PYTHONWARNINGS"), "ignore:Error reading persistent compilation cache entry:UserWarning"]))
 
 MESH_SHAPES = [(1, 8), (2, 4), (4, 2), (8, 1)]
-# JAX's CUDA plugin (installed for tests/test_gpu_target.py) logs these lines to stderr whenever a process imports jax
-# on a machine without a GPU, JAX_PLATFORMS=cpu or not; tests that read a command's output line by line drop them
-_PLUGIN_LOG = re.compile(r"^(WARNING: All log messages before absl::InitializeLog\(\) is called are written to "
-                         r"STDERR|[IWEF]\d{4} \S+ +\d+ cudart_stub\.cc:\d+\] .*)\n?", re.MULTILINE)
-
-
-def without_plugin_log(text: str) -> str:
-    return _PLUGIN_LOG.sub("", text)
 
 
 def free_port() -> int:
@@ -64,6 +58,13 @@ def pytest_sessionfinish(session):
 
 def pytest_addoption(parser):
     parser.addoption("--only-rng", action="store_true", help="run only the tests that draw from the rng fixture")
+
+
+def pytest_runtest_setup(item):
+    """Tests marked gpu_target need JAX's CUDA plugin (the plan-gpu extra); without it they skip, saying how to
+    install it."""
+    if item.get_closest_marker("gpu_target") and (problem := gpu_target.missing_plugin()):
+        pytest.skip(problem)
 
 
 def pytest_collection_modifyitems(config, items):

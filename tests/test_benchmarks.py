@@ -27,12 +27,14 @@ SCRIPTS = {
     "gpu_program.py": {"program", "kind", "kernels", "result_MiB", "moved_GiB"},
     "profile_step.py": {"program", "wall_ms", "device_ms", "fusion_ms"},
 }
-NEEDS = {"inference.py": "jax2onnx", "gpu_plan.py": "jax_plugins", "gpu_program.py": "jax_plugins"}
+NEEDS = {"inference.py": "jax2onnx"}
+GPU_TARGET = {"gpu_plan.py", "gpu_program.py"}  # compile for a GPU: JAX's CUDA plugin
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("script", sorted(SCRIPTS))
+@pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.gpu_target if s in GPU_TARGET else ())
+                                    for s in sorted(SCRIPTS)])
 def test_small_mode_writes_json(script, tmp_path):
     if script in NEEDS and importlib.util.find_spec(NEEDS[script]) is None:
         pytest.skip(f"{script} needs {NEEDS[script]}: see docs/deploy.md")

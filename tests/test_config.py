@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 from absl import flags
 
-from conftest import without_plugin_log
 from jaxcls.config import (NAMED_CHOICES, RANGES, RESUMABLE_KEYS, base_config, check_config_flags, check_keys,
                            define_config_flag, from_json, get_key, resume_differences, validate)
 from jaxcls.fc import DEFAULT_CHUNK
@@ -163,7 +162,7 @@ def cli(*args):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-m", *args], cwd=Path(__file__).resolve().parents[1], env=env,
                           capture_output=True, text=True, timeout=300)
-    return proc.returncode, (proc.stdout + without_plugin_log(proc.stderr)).strip().splitlines()
+    return proc.returncode, (proc.stdout + proc.stderr).strip().splitlines()
 
 
 def test_cli_errors_are_one_line(tmp_path):

@@ -1,6 +1,7 @@
 """The train step as XLA:GPU compiles it for 8 H100s (compile-only devices, no GPU): the FC update in place, no
 collective that grows with the class count, cuDNN convolutions in the compute dtype, the planner's bytes equal to
-``memory_analysis()``; the planner's command line on a GPU target. Needs JAX's CUDA plugin (CI installs it)."""
+``memory_analysis()``; the planner's command line on a GPU target. The tests marked gpu_target need JAX's CUDA
+plugin (the plan-gpu extra; .ci/run installs it) and skip without it."""
 
 import functools
 import json
@@ -17,7 +18,6 @@ from jaxcls.memory import step_memory
 from jaxcls.run import build
 from tiny import get_config
 
-needs_plugin = pytest.mark.skipif(gpu_target.missing_plugin() is not None, reason=str(gpu_target.missing_plugin()))
 ROWS = (2**12, 2**13)  # FC rows per device of the two compiles
 D = 32  # tiny.py's embedding size
 
@@ -33,7 +33,7 @@ def compiled_at(rows: int, fc_state_dtype: str = "same"):
 
 
 @pytest.mark.slow
-@needs_plugin
+@pytest.mark.gpu_target
 @pytest.mark.parametrize("fc_state_dtype", ["same", "int8"])
 def test_the_fc_update_is_in_place_and_no_collective_grows_with_the_classes(fc_state_dtype):
     (small_run, small), (big_run, big) = (compiled_at(rows, fc_state_dtype) for rows in ROWS)
@@ -54,7 +54,7 @@ def test_the_fc_update_is_in_place_and_no_collective_grows_with_the_classes(fc_s
 
 
 @pytest.mark.slow
-@needs_plugin
+@pytest.mark.gpu_target
 def test_convolutions_are_cudnn_calls_in_the_compute_dtype():
     hlo = compiled_at(ROWS[0])[1].as_text()
     convolutions = [line for line in hlo.splitlines() if 'custom_call_target="__cudnn$conv' in line]
@@ -67,7 +67,7 @@ def test_convolutions_are_cudnn_calls_in_the_compute_dtype():
 
 
 @pytest.mark.slow
-@needs_plugin
+@pytest.mark.gpu_target
 def test_the_plans_bytes_are_xla_gpus_memory_analysis():
     run, compiled = compiled_at(ROWS[0])
     memory, stats = step_memory(run, compiled), compiled.memory_analysis()
@@ -77,7 +77,7 @@ def test_the_plans_bytes_are_xla_gpus_memory_analysis():
 
 
 @pytest.mark.slow
-@needs_plugin
+@pytest.mark.gpu_target
 def test_the_planner_on_a_gpu_target(tmp_path):
     out = tmp_path / "plan.json"
     proc = subprocess.run([sys.executable, "-m", "jaxcls.plan", "--config", "tests/tiny.py", "--target", "h100",
@@ -92,7 +92,7 @@ def test_the_planner_on_a_gpu_target(tmp_path):
     assert plan["hosts"] == 2 and plan["devices"] == 16 and plan["total_bytes"] == sum(plan["parts"].values())
 
 
-@needs_plugin
+@pytest.mark.gpu_target
 def test_fields_this_jaxlib_does_not_know_are_dropped(monkeypatch):
     text = gpu_target.target_config("a100-80gb")
     newer = text.replace("  core_count: 108\n", "  core_count: 108\n  a_field_from_the_future: 7\n"

@@ -8,8 +8,6 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from jaxcls import gpu_target
-
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
 pytestmark = pytest.mark.slow
@@ -30,10 +28,8 @@ def test_quickstart_runs(tmp_path, monkeypatch):
     assert "dense loss" in outputs and "accuracy" in outputs
 
 
-@pytest.mark.parametrize("target", ["cpu", "h100"])
+@pytest.mark.parametrize("target", ["cpu", pytest.param("h100", marks=pytest.mark.gpu_target)])
 def test_scaling_runs(target, tmp_path, monkeypatch):
-    if target != "cpu" and (problem := gpu_target.missing_plugin()):
-        pytest.skip(problem)
     monkeypatch.setenv("JAXCLS_SCALING_TARGET", target)
     monkeypatch.setenv("JAXCLS_SCALING_QUICK", "1")  # a narrow r18 (32-d), float32 FC state, PFC 0.1, 8 devices
     outputs = execute("scaling.ipynb", tmp_path)

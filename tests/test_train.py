@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import COMPILATION_CACHE, without_plugin_log
+from conftest import COMPILATION_CACHE
 from jaxcls.checkpoint import CheckpointError, RunCheckpoints
 from jaxcls.reporting import log
 from jaxcls.run import build
@@ -141,7 +141,7 @@ def cli(*args):
                XLA_FLAGS=os.environ["XLA_FLAGS"])
     proc = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
-    lines = [line.split("\r")[-1] for line in (proc.stdout + without_plugin_log(proc.stderr)).splitlines()]
+    lines = [line.split("\r")[-1] for line in (proc.stdout + proc.stderr).splitlines()]
     return proc.returncode, [line for line in lines if line.strip() and not BAR.search(line)]
 
 
@@ -184,7 +184,7 @@ def test_a_step_too_big_for_the_device_stops_before_any_state_with_the_plan(tmp_
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 1, proc.stderr
-    lines = without_plugin_log(proc.stderr).splitlines()
+    lines = proc.stderr.splitlines()
     assert re.match(r"error: the train step needs [\d.]+ MiB per device, more than the 1.00 MiB XLA may allocate on "
                     r"cpu \(--verbosity=1", lines[0]), proc.stderr
     assert any(l.strip().startswith("FC weight") for l in lines) and "python -m jaxcls.plan" in lines[-1]
@@ -259,7 +259,7 @@ def test_a_full_disk_stops_the_run_at_once_with_one_error_and_no_partial_checkpo
                XLA_FLAGS=os.environ["XLA_FLAGS"])
     proc = subprocess.run([sys.executable, "-c", small_files, "--config", "tests/tiny.py", "--workdir", str(tmp_path),
                            "--config.ckpt_every=2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    lines = [line.split("\r")[-1] for line in without_plugin_log(proc.stderr).splitlines()]
+    lines = [line.split("\r")[-1] for line in proc.stderr.splitlines()]
     lines = [line for line in lines if line.strip() and not BAR.search(line)]
     errors = [line for line in lines if line.startswith("error")]  # (the compilation cache warns it cannot write)
     assert proc.returncode == 1 and len(errors) == 1, "\n".join(lines)

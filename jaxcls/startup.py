@@ -1,0 +1,89 @@
+"""JAX started quietly where its CUDA plugin cannot work: a machine with the plugin (the ``plan-gpu`` extra, for
+XLA:GPU's programs without a GPU) and no NVIDIA driver.
+
+There the plugin's C++ code writes "Could not find cuda drivers" lines straight to file descriptor 2 when jax is
+imported and again when JAX starts its backends with JAX_PLATFORMS=cpu, and without JAX_PLATFORMS JAX logs the
+traceback of the plugin's failed initialization: noise before a CLI's own first line, about a GPU the machine does not
+have. ``start_jax()``, called by ``jaxcls/__init__.py`` before anything imports jax, drops exactly those; every other
+line is written back. Wherever the driver or JAX's own test finds a GPU, or the plugin is absent, it does nothing;
+JAX_PLATFORMS is left alone (a TPU machine keeps its backend).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import importlib.util
+import logging
+import os
+import re
+import sys
+import tempfile
+
+PLUGINS = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
+# any of them: a GPU may be here (the driver's own file, then the devices jax._src.hardware_utils looks for)
+NVIDIA_DRIVER = ("/proc/driver/nvidia/version", "/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg")
+# the lines the plugin writes to descriptor 2 when it finds no driver
+NOISE = re.compile(r"WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR"
+                   r"|[IWEF]\d{4} \S+ +\d+ cudart_stub\.cc:\d+\] .*")
+FAILED_INITIALIZE = "Jax plugin configuration error: Exception when calling {}.initialize()"
+
+
+def plugin_installed(plugins: tuple[str, ...] = PLUGINS) -> bool:
+    """Whether one of ``plugins`` can be imported (without importing it)."""
+    return any(importlib.util.find_spec(p.split(".")[0]) and importlib.util.find_spec(p) for p in plugins)
+
+
+def without_plugin_noise(text: str) -> str:
+    """``text`` without the plugin's lines about a missing driver; every other line as it was."""
+    return "".join(line for line in text.splitlines(keepends=True) if not NOISE.fullmatch(line.rstrip("\r\n")))
+
+
+def not_a_failed_initialize(record: logging.LogRecord) -> bool:
+    """A logging filter: False only for JAX's record of a CUDA plugin's failed ``initialize()``."""
+    return record.getMessage() not in {FAILED_INITIALIZE.format(p) for p in PLUGINS}
+
+
+@contextlib.contextmanager
+def stderr_without_plugin_noise():
+    """File descriptor 2 captured meanwhile, then written back without the plugin's noise."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            with open(2, "wb", closefd=False) as stderr:
+                stderr.write(without_plugin_noise(captured.read().decode(errors="surrogateescape")).encode(
+                    errors="surrogateescape"))
+
+
+def quietly(initialize):
+    """A plugin's ``initialize`` (JAX calls it when it starts its backends) without the plugin's noise."""
+    @functools.wraps(initialize)
+    def initialize_quietly():
+        with stderr_without_plugin_noise():
+            initialize()
+    return initialize_quietly
+
+
+def start_jax() -> None:
+    """Where the CUDA plugin is installed and no NVIDIA driver is present: drop JAX's record of the plugin's failed
+    initialization and, unless jax is already imported, import jax and the plugin without the plugin's noise and
+    make the plugin's ``initialize`` quiet too. Elsewhere nothing."""
+    if not plugin_installed() or any(os.path.exists(path) for path in NVIDIA_DRIVER):
+        return
+    logging.getLogger("jax._src.xla_bridge").addFilter(not_a_failed_initialize)
+    if "jax" in sys.modules or sys.stderr is None:  # None: Python found no descriptor 2 open
+        return
+    with stderr_without_plugin_noise():
+        import jax  # noqa: F401
+        for name in filter(lambda name: plugin_installed((name,)), PLUGINS):
+            plugin = importlib.import_module(name)
+            plugin.initialize = quietly(plugin.initialize)
