@@ -11,9 +11,9 @@ random horizontal flip, `(x/255 - 0.5)/0.5`, NCHW. The images are decoded once i
 images, 339 MB) and shuffled per epoch with the last partial batch dropped, as its DataLoader does. The backbone's
 state dict is written with `torch.save(backbone.state_dict(), out)`: the file arcface_torch's `model.pt` is.
 
-insightface's code is read from --insightface (default ../shared/bench/insightface: unchanged copies, SOURCE.md
-there). Needs torch and a GPU; on a CPU it runs too, only to check the script on a few identities. The images are read
-with jaxcls's RecordIO reader, so MXNet is not needed.
+insightface's code is read from --insightface: a folder holding arcface_torch's `backbones/`, `partial_fc_v2.py` and
+`losses.py`, unchanged. Needs torch and a GPU; on a CPU it runs too, only to check the script on a few identities.
+The images are read with jaxcls's RecordIO reader, so MXNet is not needed.
 """
 import argparse
 import json

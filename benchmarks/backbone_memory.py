@@ -17,9 +17,9 @@ import time
 
 import jax
 import jax.numpy as jnp
-from common import print_table, write_json
 from flax import nnx
 
+from jaxcls.bench import print_table, write_json
 from jaxcls.models import create, get_model
 from jaxcls.models.layers import REMAT_POLICIES
 from jaxcls.precision import DTYPES

@@ -6,7 +6,7 @@
 Nothing runs: the step is compiled for ``hosts × per_host`` simulated CPU devices (the collectives are the
 partitioner's, the same on every backend; GPUs only combine small ones), and device ``i`` of the mesh is
 placed on host ``i // per_host``, as ``jax.make_mesh`` orders the devices of a multi-host job. Bytes per host
-follow ``jaxcls.hlo.cross_host_bytes``: what a host-aware algorithm must receive from other hosts, the largest
+follow ``jaxcls.plan.hlo.cross_host_bytes``: what a host-aware algorithm must receive from other hosts, the largest
 host's share. Layouts: the FC over every device with the class axis spanning the hosts (``mesh_data=1``), or
 with ``mesh_data = hosts`` (the data axis across hosts, the class axis inside each); the FC over the class
 axis only (``class_axes=class``), replicated once per host.
@@ -17,7 +17,15 @@ from __future__ import annotations
 import argparse
 import collections
 
-from common import force_cpu_devices, print_table, write_json
+import jax
+
+from jaxcls.bench import print_table, write_json
+from jaxcls.config import benchmark_config
+from jaxcls.mesh import class_shards
+from jaxcls.models import one_off_compile_options
+from jaxcls.plan.hlo import collectives, cross_host_bytes
+from jaxcls.run import build
+from jaxcls.startup import simulate_cpu_devices
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--small", action="store_true")
@@ -27,36 +35,16 @@ parser.add_argument("--out", default="benchmarks/results/cross_host.json")
 ARGS = parser.parse_args()
 HOSTS = ARGS.hosts or (2 if ARGS.small else 4)
 PER_HOST = ARGS.per_host or (4 if ARGS.small else 8)
-force_cpu_devices(HOSTS * PER_HOST)
-
-import jax  # noqa: E402
-
-from jaxcls.config import base_config  # noqa: E402
-from jaxcls.hlo import collectives, cross_host_bytes  # noqa: E402
-from jaxcls.mesh import class_shards  # noqa: E402
-from jaxcls.models import one_off_compile_options  # noqa: E402
-from jaxcls.run import build  # noqa: E402
-
 # (class_axes, mesh_data); --small skips the second, whose collectives equal the first's
 LAYOUTS = [("data,class", 1), ("data,class", HOSTS), ("class", HOSTS)][::2 if ARGS.small else 1]
 
 
-def step_config(class_axes: str, mesh_data: int):
-    c = base_config()
-    c.class_axes, c.mesh_data = class_axes, mesh_data
-    c.data.kind = "synthetic"
-    if ARGS.small:
-        c.data.input_size, c.model_kwargs, c.num_features, c.num_classes, per_device = 16, dict(width=8), 32, 64, 4
-    else:
-        c.data.input_size, c.model, c.model_kwargs, c.num_features = 112, "r50", {}, 512
-        c.num_classes, c.precision, per_device = 1_000_000, "bfloat16", 128
-    c.batch_size = per_device * HOSTS * PER_HOST
-    c.margin = dict(name="arcface", s=64.0, m=0.5, straight_through=False)
-    return c
-
-
 def measure(class_axes: str, mesh_data: int) -> dict:
-    config = step_config(class_axes, mesh_data)
+    config = benchmark_config(small=ARGS.small, class_axes=class_axes, mesh_data=mesh_data, sample_rate=1.0,
+                              num_classes=64 if ARGS.small else 1_000_000,
+                              batch_size=(4 if ARGS.small else 128) * HOSTS * PER_HOST)
+    if ARGS.small:
+        config.data.input_size = 16  # compiled only, never run
     run = build(config, jax.devices()[:HOSTS * PER_HOST])
     compiled = run.compile_step(run.abstract_state, one_off_compile_options("cpu"))
     hosts = [d.id // PER_HOST for d in run.mesh.devices.flat]
@@ -66,12 +54,12 @@ def measure(class_axes: str, mesh_data: int) -> dict:
         received = [c.count * b for b in cross_host_bytes(c, hosts)]
         per_host = [a + b for a, b in zip(per_host, received)]
         by_op[c.op] += max(received)
-    shards = class_shards(run.mesh, run.trainer.head.class_axes)
+    shards = class_shards(run.mesh, run.train_step.head.class_axes)
     mb = lambda b: b / 2**20
     return {"class_axes": class_axes, "mesh": f"data={run.mesh.shape['data']} × class={run.mesh.shape['class']}",
             "hosts": HOSTS, "per_host": PER_HOST, "model": config.model, "classes": config.num_classes,
             "batch_per_device": config.batch_size // run.mesh.size,
-            "fc_rows_per_device": run.trainer.head.rows // shards,
+            "fc_rows_per_device": run.train_step.head.rows // shards,
             "collectives": sum(c.count for c in found),
             "all_reduce_MB": mb(by_op["all-reduce"]), "all_gather_MB": mb(by_op["all-gather"]),
             "reduce_scatter_MB": mb(by_op["reduce-scatter"]),
@@ -81,6 +69,7 @@ def measure(class_axes: str, mesh_data: int) -> dict:
 
 
 def main():
+    simulate_cpu_devices(HOSTS * PER_HOST)
     rows = [measure(*layout) for layout in LAYOUTS]
     print_table(rows, ["class_axes", "mesh", "fc_rows_per_device", "collectives", "all_reduce_MB", "all_gather_MB",
                        "reduce_scatter_MB", "other_MB", "cross_host_MB_per_host", "collective_MB_per_device"])

@@ -19,25 +19,18 @@ bytes/class = (arguments + outputs − donated aliases + temporaries) × devices
 from __future__ import annotations
 
 import argparse
-import sys
 
-from common import force_cpu_devices
+import jax
+import jax.numpy as jnp
 
-if "--devices" in sys.argv:
-    force_cpu_devices(int(sys.argv[sys.argv.index("--devices") + 1]))
-elif "--small" in sys.argv:
-    force_cpu_devices(8)
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from common import print_table, write_json  # noqa: E402
-
-from jaxcls import batch_sharding, make_mesh, padded_num_classes, weight_sharding  # noqa: E402
-from jaxcls.fc import FCHead  # noqa: E402
-from jaxcls.losses import arcface, sharded_margin_loss  # noqa: E402
-from jaxcls.mesh import replicated  # noqa: E402
-from jaxcls.partial_fc import gather_rows  # noqa: E402
-from jaxcls.sparse_fc import sgd  # noqa: E402
+from jaxcls import batch_sharding, make_mesh, padded_num_classes, weight_sharding
+from jaxcls.bench import print_table, write_json
+from jaxcls.fc import FCHead
+from jaxcls.fc.optimizers import sgd
+from jaxcls.fc.sampling import gather_rows
+from jaxcls.losses import arcface, sharded_margin_loss
+from jaxcls.mesh import replicated
+from jaxcls.startup import simulate_cpu_devices
 
 
 def autodiff_step(head, weight, fc_state, emb, labels, sample, lr):
@@ -70,8 +63,9 @@ def fc_step_memory(mesh, c, n, d, rate, dtype, chunk_size, route):
     compiled = jax.jit(step, donate_argnums=(0, 1)).lower(w_abs, state_abs, emb, labels, jax.random.key(0)).compile()
     m = compiled.memory_analysis()
     total = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
-    return {"route": route, "C": c, "sample_rate": rate, "dtype": jnp.dtype(dtype).name, "chunk": chunk_size, "N": n, "D": d,
-            "devices": mesh.size, "argument_bytes": int(m.argument_size_in_bytes), "temp_bytes": int(m.temp_size_in_bytes),
+    return {"route": route, "C": c, "sample_rate": rate, "dtype": jnp.dtype(dtype).name, "chunk": chunk_size, "N": n,
+            "D": d, "devices": mesh.size, "argument_bytes": int(m.argument_size_in_bytes),
+            "temp_bytes": int(m.temp_size_in_bytes),
             "alias_bytes": int(m.alias_size_in_bytes), "total_bytes_per_device": int(total),
             "GiB_per_device": total / 2**30, "bytes_per_class": total * mesh.size / c}
 
@@ -84,6 +78,8 @@ def main():
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--out", default="benchmarks/results/fc_memory.json")
     args = parser.parse_args()
+    if args.devices or args.small:
+        simulate_cpu_devices(args.devices or 8)
     if args.small:
         grid, n, d = [65_536], 64, 128
     else:

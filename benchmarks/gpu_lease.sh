@@ -5,10 +5,10 @@
 #
 #   bash benchmarks/gpu_lease.sh 'train:model=r50 batch=128' 'torch:r50 128' 'torch:r50 128 8000000 --compile' ...
 #
-# Job forms: `train:KEY=VALUE ... [--set KEY=VALUE ...]` (benchmarks/train.py --only each pair, other arguments as
-# they are), `torch:NETWORK BATCH [CLASSES] [ARGS]` (arcface_torch's step from .gpudata/bench: PartialFC 0.1 with
-# fp16 as train_v2.py runs it, CLASSES default 1000000, ARGS e.g. --compile or --max-classes), `py:SCRIPT ARGS` (any
-# benchmark script), `sh:COMMAND`. Each job's exit status is logged (124: past its time limit).
+# Job forms: `train:KEY=VALUE ... [--set KEY=VALUE ...]` (benchmarks/step_throughput.py --only each pair, other
+# arguments as they are), `torch:NETWORK BATCH [CLASSES] [ARGS]` (arcface_torch's step from .gpudata/bench: PartialFC
+# 0.1 with fp16 as train_v2.py runs it, CLASSES default 1000000, ARGS e.g. --compile or --max-classes), `py:SCRIPT
+# ARGS` (any benchmark script), `sh:COMMAND`. Each job's exit status is logged (124: past its time limit).
 # JOB_LIMIT (seconds, default 300) bounds each job. Carry two git-ignored folders with the call:
 #   .whl      jaxcls's dependencies the GPU image lacks, as cp312 wheels: `pip download --no-deps --only-binary=:all:
 #             --python-version 3.12 --platform manylinux2014_x86_64 --platform any -d .whl ml_collections
@@ -35,7 +35,7 @@ for job in "$@"; do
            for word in $spec; do  # KEY=VALUE selects grid rows (--only), except as the value of a --set
              [[ $word == *=* && $prev != --set ]] && args+=(--only); args+=("$word"); prev=$word
            done
-           timeout "${JOB_LIMIT:-300}" python3 benchmarks/train.py "${args[@]}" --out "$RESULTS/$name.json" ;;
+           timeout "${JOB_LIMIT:-300}" python3 benchmarks/step_throughput.py "${args[@]}" --out "$RESULTS/$name.json" ;;
     torch) read -r network batch classes extra <<< "$spec"
            [[ ${classes:-} == -* ]] && { extra="$classes ${extra:-}"; classes=""; }
            timeout "${JOB_LIMIT:-300}" python3 .gpudata/bench/arcface_torch_bench.py \

@@ -1,4 +1,4 @@
-"""XLA:GPU's bytes per device for the face recipes on H100s, compiled here without a GPU (``jaxcls.gpu_target``).
+"""XLA:GPU's bytes per device for the face recipes on H100s, compiled here without a GPU (``jaxcls.plan.gpu_target``).
 
 Each row compiles the real train step (112×112, 512-d ArcFace, bfloat16 compute, SGD with momentum) at 1M and 2M FC
 rows per GPU (at PartialFC 0.1, 1.3M and 2.6M: enough that it samples whole tiles); bytes per device are affine in
@@ -19,15 +19,19 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
-import subprocess
 import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only GPUs: no CUDA driver is needed, none is started
 
-from common import print_table, select, write_json  # noqa: E402
+from jaxcls.bench import RowFailed, in_fresh_process, print_table, select, write_json  # noqa: E402
+from jaxcls.config import benchmark_config  # noqa: E402
+from jaxcls.mesh import class_shards  # noqa: E402
+from jaxcls.plan import gpu_target  # noqa: E402
+from jaxcls.plan.memory import fit_classes, probe_rows  # noqa: E402
+from jaxcls.plan.planner import compiled_memory, target_devices  # noqa: E402
+from jaxcls.run import build  # noqa: E402
 
 GRID = list(itertools.product(("r50", "r100", "mbf", "vit_t"), (128, 512), ("float32", "bfloat16"), (1.0, 0.1),
                               (1, 8)))
@@ -35,26 +39,12 @@ COLUMNS = ["model", "batch", "fc_dtype", "fc_state_dtype", "rate", "gpus", "fixe
            "max_classes_75", "max_classes_95", "compile_s"]
 
 
-def step_config(model, batch, fc_dtype, rate, gpus, small, fc_state_dtype):
-    from jaxcls.config import face_config
-
-    c = face_config(root="/not/read", num_classes=10**6, num_images=10**7, epochs=1, model=model, batch=batch * gpus,
-                    sample_rate=rate)
-    c.data.kind, c.fc_dtype, c.fc_state_dtype = "synthetic", fc_dtype, fc_state_dtype
-    if small:
-        c.data.input_size, c.model_kwargs, c.num_features = 32, dict(width=8), 32
-    return c
-
-
 def row(spec, target, small, fc_state_dtype) -> dict:
-    from jaxcls import gpu_target
-    from jaxcls.memory import fit_classes, probe_rows
-    from jaxcls.mesh import class_shards
-    from jaxcls.plan import compiled_memory, target_devices
-    from jaxcls.run import build
-
+    """One spec of the grid, in its own process: the fixed bytes and bytes per class from two compiles."""
     model, batch, fc_dtype, rate, gpus = spec
-    devices, config = target_devices(target, gpus), step_config(*spec, small, fc_state_dtype)
+    devices = target_devices(target, gpus)
+    config = benchmark_config(small=small, model=model, batch_size=batch * gpus, sample_rate=rate, fc_dtype=fc_dtype,
+                              fc_state_dtype=fc_state_dtype, precision="bfloat16")  # bfloat16 when --small too
     start = time.perf_counter()
 
     compiled, cublas = {}, {}
@@ -63,7 +53,7 @@ def row(spec, target, small, fc_state_dtype) -> dict:
         _, compiled[classes], cublas[classes] = compiled_memory(config, devices, target, classes)
         return compiled[classes]
 
-    head = build(config, devices, with_data=False).trainer.head
+    head = build(config, devices, with_data=False).train_step.head
     shards = class_shards(head.mesh, head.class_axes)
     rows = probe_rows(config.chunk_size, rate)
     fixed, per_class = fit_classes(memory_at, (shards * rows, shards * 2 * rows))
@@ -83,20 +73,15 @@ def main():
     parser.add_argument("--only", action="append", default=[], help="KEY=VALUE: rows whose KEY is VALUE")
     parser.add_argument("--fc_state_dtype", default="same", help="the FC optimizer state's storage (config key)")
     parser.add_argument("--out", default="benchmarks/results/gpu_plan.json")
-    parser.add_argument("--row", default=None, help=argparse.SUPPRESS)  # one row's spec as JSON, printed as JSON
     args = parser.parse_args()
-    if args.row is not None:
-        return print(json.dumps(row(tuple(json.loads(args.row)), args.target, args.small, args.fc_state_dtype)))
     grid = [("r18", 32, "bfloat16", 0.5, 1)] if args.small else GRID
     grid = select(grid, ["model", "batch", "fc_dtype", "rate", "gpus"], args.only)
     rows = []
     for spec in grid:
-        cmd = [sys.executable, __file__, "--row", json.dumps(spec), "--target", args.target,
-               "--fc_state_dtype", args.fc_state_dtype] + ["--small"] * args.small
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode:
-            sys.exit(f"row {spec} failed:\n{proc.stderr[-3000:]}")
-        rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        try:
+            rows.append(in_fresh_process(row, spec, args.target, args.small, args.fc_state_dtype))
+        except RowFailed as failed:
+            sys.exit(str(failed))
         print_table(rows[-1:], COLUMNS)
     print_table(rows, COLUMNS)
     write_json(args.out, rows)

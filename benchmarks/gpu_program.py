@@ -1,11 +1,12 @@
 """What XLA:GPU makes of the train step, kernel by kind, beside a minimal plain-Flax step — no GPU needed.
 
-Both programs are compiled for one H100 (``jaxcls.gpu_target``) and read back from their HLO (``jaxcls.hlo.kernels``):
-kernels by kind (fusions, cuDNN convolutions with their dtype and layout, GEMMs, collectives, sorts,
-copies/transposes) with their count and result bytes per step, then the largest float32 results (float32 work on
-a bfloat16 step's hot path). The reference is the program ANCHORS measured at 5,496 img/s (batch 128) on an H100
-against arcface_torch's 1,505: a linen IResNet-50 in bfloat16 with float32 parameters, a dense normalised FC of
-100k rows with a CosFace margin and softmax cross-entropy, SGD with momentum, one ``jax.jit`` with donation.
+Both programs are compiled for one H100 (``jaxcls.plan.gpu_target``) and read back from their HLO
+(``jaxcls.plan.kernels``): kernels by kind (fusions, cuDNN convolutions with their dtype and layout, GEMMs,
+collectives, sorts, copies/transposes) with their count and result bytes per step, then the largest float32
+results (float32 work on a bfloat16 step's hot path). The reference is a plain Flax step (``jaxcls.bench.plain_step``,
+measured on an H100 in docs/benchmarks.md): a linen IResNet-50 in bfloat16
+with float32 parameters, a dense normalised FC of 100k rows with a CosFace margin and softmax cross-entropy, SGD with
+momentum, one ``jax.jit`` with donation.
 
     python benchmarks/gpu_program.py                     # r50, batch 128, 1M classes, PartialFC 0.1, bf16 FC
     python benchmarks/gpu_program.py --set sample_rate=1.0 --set num_classes=100000
@@ -17,29 +18,23 @@ It counts, it does not time: a kernel's cost is not its result size. Needs JAX's
 from __future__ import annotations
 
 import argparse
-import ast
 import collections
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only GPUs: no CUDA driver is needed, none is started
 
-from common import print_table, write_json  # noqa: E402
-from plain_step import plain_model, plain_program  # noqa: E402
+from jaxcls.bench import plain_model, plain_program, print_table, write_json  # noqa: E402
+from jaxcls.config import benchmark_config  # noqa: E402
+from jaxcls.plan import gpu_target  # noqa: E402
+from jaxcls.plan.kernels import KERNEL_KINDS, kernels  # noqa: E402
+from jaxcls.run import build  # noqa: E402
 
-from jaxcls import gpu_target  # noqa: E402
-from jaxcls.hlo import KERNEL_KINDS, kernels  # noqa: E402
 
-
-def jaxcls_program(overrides: dict, small: bool, device):
-    from jaxcls.config import face_config
-    from jaxcls.run import build
-
-    c = face_config(root="/not/read", num_classes=1_000_000, num_images=10**7, epochs=1, batch=128, sample_rate=0.1)
-    c.data.kind, c.fc_dtype, c.margin = "synthetic", "bfloat16", dict(name="cosface", s=64.0, m=0.4,
-                                                                       straight_through=False)
-    if small:
-        c.data.input_size, c.model, c.model_kwargs, c.num_features, c.num_classes = 32, "r18", {"width": 8}, 32, 8192
-    c.update(overrides)
+def jaxcls_program(overrides: list[str], small: bool, device):
+    """jaxcls's step compiled for ``device`` (the face recipe with CosFace and a bfloat16 FC), and its config."""
+    c = benchmark_config(small=small, overrides=overrides, num_classes=8192 if small else 1_000_000,
+                         fc_dtype="bfloat16", precision="bfloat16",  # bfloat16 when --small too
+                         margin=dict(name="cosface", s=64.0, m=0.4, straight_through=False))
     run = build(c, [device], with_data=False)
     return c, run.compile_step(run.abstract_state, gpu_target.COMPILE_OPTIONS)
 
@@ -71,8 +66,7 @@ def main():
     parser.add_argument("--out", default="benchmarks/results/gpu_program.json")
     args = parser.parse_args()
     device = gpu_target.gpu_devices(args.target, 1)[0]
-    overrides = {k: ast.literal_eval(v) for k, v in (item.split("=", 1) for item in args.set)}
-    config, ours = jaxcls_program(overrides, args.small, device)
+    config, ours = jaxcls_program(args.set, args.small, device)
     model = plain_model(args.small)
     plain = plain_program(config.batch_size, config.data.input_size, 4096 if args.small else 100_000, model, device)
     rows = []

@@ -11,21 +11,16 @@ matmul and its two gradient matmuls).
 from __future__ import annotations
 
 import argparse
-import sys
 
-if "--cpu" in sys.argv or "--small" in sys.argv:
-    from common import force_cpu_devices
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-    force_cpu_devices(8)
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-from common import compiled_memory, peak_device_bytes, print_table, time_ms, write_json  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
-
-from jaxcls import batch_sharding, make_mesh, padded_num_classes, weight_sharding  # noqa: E402
-from jaxcls.losses import arcface, l2_normalize, sharded_margin_loss  # noqa: E402
+from jaxcls import batch_sharding, make_mesh, padded_num_classes, weight_sharding
+from jaxcls.bench import compiled_memory, peak_device_bytes, print_table, time_ms, write_json
+from jaxcls.losses import arcface, l2_normalize, sharded_margin_loss
+from jaxcls.startup import simulate_cpu_devices
 
 MARGIN = arcface()
 
@@ -63,6 +58,8 @@ def main():
     parser.add_argument("--peak-tflops", type=float, default=None, help="matmul ceiling for %% of floor")
     parser.add_argument("--out", default="benchmarks/results/loss.json")
     args = parser.parse_args()
+    if args.cpu or args.small:
+        simulate_cpu_devices(8)
 
     if args.small:
         grid, dtype, args.iters, args.chunk = [(64, 16, 4096)], jnp.float32, 3, 100

@@ -14,51 +14,38 @@ for machines where running out of memory is not the limit (a CPU).
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-
+from jaxcls.bench import RowFailed, in_fresh_process, print_table, time_train_step, write_json
+from jaxcls.config import benchmark_config
+from jaxcls.startup import simulate_cpu_devices
 
 _PROBED: dict[int, dict | None] = {}
 
 
 def probe(classes, args) -> dict | None:
-    """Run the step at ``classes`` in a subprocess (once per C); its measurement row, or None if it failed."""
-    if classes in _PROBED:
-        return _PROBED[classes]
-    cmd = [sys.executable, str(HERE / "max_classes.py"), "--probe", str(classes), "--model", args.model,
-           "--batch", str(args.batch), "--steps", str(args.steps), "--budget-bytes", str(args.budget_bytes)]
-    if args.small:
-        cmd.append("--small")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
-    ok = proc.returncode == 0 and lines
-    print(f"  C={classes:>12,}: {'ok' if ok else 'fails'}", flush=True)
-    _PROBED[classes] = json.loads(lines[-1]) if ok else None
+    """Run the step at ``classes`` in a fresh process (once per C); its measurement row, or None if it failed."""
+    if classes not in _PROBED:
+        try:
+            _PROBED[classes] = in_fresh_process(probe_row, classes, args.model, args.batch, args.steps,
+                                                args.budget_bytes, args.small, timeout=args.timeout)
+        except RowFailed:
+            _PROBED[classes] = None
+        print(f"  C={classes:>12,}: {'fails' if _PROBED[classes] is None else 'ok'}", flush=True)
     return _PROBED[classes]
 
 
-def run_probe(args):
-    if args.small:
-        sys.path.insert(0, str(HERE))
-        from common import force_cpu_devices
-
-        force_cpu_devices(8)
-    sys.path.insert(0, str(HERE))
-    from train import measure, step_config
-
-    size = 32 if args.small else 112
-    config = step_config(args.model, args.batch, args.probe, 0.1, "float32" if args.small else "bfloat16", size)
-    if args.small:
-        config.model_kwargs, config.num_features = dict(width=8), 32
-    row = measure(config, args.steps, warmup=1 if args.small else 3)
+def probe_row(classes, model, batch, steps, budget_bytes, small) -> dict:
+    """One probe, in its own process: the step's measurement row at ``classes``; exits with an error where the
+    compiled step's arguments and temporaries exceed ``budget_bytes`` (when set)."""
+    if small:
+        simulate_cpu_devices(8)
+    config = benchmark_config(small=small, model=model, batch_size=batch, num_classes=classes)
+    row = time_train_step(config, steps, warmup=1 if small else 3)
     used = row["argument_bytes"] + row["temp_bytes"]
-    if args.budget_bytes and used > args.budget_bytes:
-        sys.exit(f"compiled step needs {used} bytes > budget {args.budget_bytes}")
-    print(json.dumps(row))
+    if budget_bytes and used > budget_bytes:
+        sys.exit(f"compiled step needs {used} bytes > budget {budget_bytes}")
+    return row
 
 
 def main():
@@ -71,18 +58,13 @@ def main():
     parser.add_argument("--high", type=int, default=64_000_000)
     parser.add_argument("--resolution", type=int, default=1_000_000, help="stop when high − low is below this")
     parser.add_argument("--budget-bytes", type=int, default=0)
-    parser.add_argument("--timeout", type=int, default=900)
-    parser.add_argument("--probe", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--timeout", type=int, default=900, help="seconds a probe may take; one past it fails")
     parser.add_argument("--out", default="benchmarks/results/max_classes.json")
     args = parser.parse_args()
-    if args.probe is not None:
-        return run_probe(args)
     if args.small:
         args.model, args.batch, args.steps = "r18", 32, 1
         args.low, args.high, args.resolution = 1_000, 2_000, 1_000  # one probe: the CPU path, not a bisection
         args.budget_bytes = args.budget_bytes or 16 * 2**20
-
-    from common import print_table, write_json
 
     low, high = args.low, args.high
     if probe(low, args) is None:

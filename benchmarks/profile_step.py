@@ -1,6 +1,6 @@
-"""Where a train step's device time goes: jaxcls's step and the plain Flax step (``plain_step.py``, the same batch and
-as many FC rows as PartialFC samples) run under JAX's profiler, their kernels summed by kind and by the HLO op that
-launched them.
+"""Where a train step's device time goes: jaxcls's step and the plain Flax step (``jaxcls.bench.plain_step``, the
+same batch and as many FC rows as PartialFC samples) run under JAX's profiler, their kernels summed by kind and by
+the HLO op that launched them.
 
     python benchmarks/profile_step.py                      # on a GPU: r50, batch 128, 1M classes, PartialFC 0.1, bf16
     python benchmarks/profile_step.py --batch 512 --set fc_dtype=bfloat16
@@ -21,28 +21,19 @@ import collections
 import glob
 import os
 import statistics
-import sys
 import tempfile
 import time
 
-# XLA:GPU batches kernels into command buffers (CUDA graphs), which the profiler shows as one op each: off, so that
-# every kernel names its HLO op
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
-if "--small" in sys.argv:
-    from common import force_cpu_devices
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.profiler import ProfileData
 
-    force_cpu_devices(1)
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from common import print_table, write_json  # noqa: E402
-from jax.profiler import ProfileData  # noqa: E402
-from plain_step import plain_model, plain_step  # noqa: E402
-from train import step_config  # noqa: E402
-
-from jaxcls.hlo import origins  # noqa: E402
-from jaxcls.run import build  # noqa: E402
+from jaxcls.bench import plain_model, plain_step, print_table, write_json
+from jaxcls.config import benchmark_config
+from jaxcls.plan.kernels import origins
+from jaxcls.run import build
+from jaxcls.startup import simulate_cpu_devices
 
 KINDS = ("convolution", "GEMM", "fusion", "collective", "copy/transpose", "sort", "other")
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -110,6 +101,9 @@ def profile(step, state, batch, steps: int) -> tuple[dict, list]:
 
 
 def main():
+    # XLA:GPU batches kernels into command buffers (CUDA graphs), which the profiler shows as one op each: off, so
+    # that every kernel names its HLO op (XLA reads its flags when JAX starts its backends)
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--model", default="r50")
@@ -122,12 +116,11 @@ def main():
     parser.add_argument("--out", default="benchmarks/results/profile_step.json")
     args = parser.parse_args()
     if args.small:
+        simulate_cpu_devices(1)
         args.model, args.batch, args.classes, args.steps, args.top = "r18", 16, 1000, 2, 10
-    size = 32 if args.small else 112
-    precision = "float32" if args.small else "bfloat16"
-    config = step_config(args.model, args.batch, args.classes, args.sample_rate, precision, size, args.set)
-    if args.small:
-        config.model_kwargs, config.num_features = dict(width=8), 32
+    config = benchmark_config(small=args.small, overrides=args.set, model=args.model, batch_size=args.batch,
+                              num_classes=args.classes, sample_rate=args.sample_rate)
+    size = config.data.input_size
     rng = np.random.default_rng(0)
     labels = rng.integers(0, config.num_classes, args.batch).astype(np.int32)
     run = build(config, jax.devices()[:1])

@@ -7,7 +7,7 @@ device in float32 (TF32 off, then PyTorch's default, where cuDNN convolutions ma
 embedder of the converted run (JAX's default matmul precision, then "highest"). Per row: 1 − the lowest cosine and the
 largest max |got − want| / max |want| over the embeddings (tests/test_convert.py's measure, there on the CPU).
 Images are read and resized by `jaxcls.embed`'s loader and given to both frameworks as `(x/255 − 0.5)/0.5`, NCHW.
-insightface's code comes from --insightface (default ../shared/bench/insightface).
+insightface's code comes from --insightface (a folder holding arcface_torch's `backbones/`).
 """
 import argparse
 import os
@@ -17,12 +17,12 @@ import tempfile
 import jax
 import numpy as np
 import torch
-from common import print_table, write_json
 
-from jaxcls.convert import embedding_size, import_torch
-from jaxcls.embed import embed_images, image_source
-from jaxcls.inference import agreement, open_embedder
-from jaxcls.torch_pth import load_state_dict
+from jaxcls.bench import print_table, write_json
+from jaxcls.interop.arcface_torch import embedding_size, import_torch
+from jaxcls.interop.inference import embed_images, image_source
+from jaxcls.interop.inference import agreement, open_embedder
+from jaxcls.interop.torch_pth import load_state_dict
 
 INSIGHTFACE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "bench", "insightface")
 

@@ -2,13 +2,10 @@
 
     python -m jaxcls.train --config configs/glyphs_r50_gpu.py --workdir runs/glyphs_r50_gpu
 
-On one H100 (2026-11-25): 1,680 steps at ~6,450 img/s in 77 s, 146 s with compiling and two evaluations;
-98.55% ± 0.72 verification on 2,000 of glyphs_pairs.bin's pairs (docs/benchmarks.md). The plain Flax r18 of
-../shared/ANCHORS.md reached 97.3% on glyphs_pairs.bin with this schedule and data at 112×112, flip only. CosFace,
-not ArcFace: with 12 images per identity ArcFace from scratch collapses (configs/glyphs_r18.py says more).
-The augmentation of configs/glyphs_r18.py (a mild crop and rotation on half the images each, flip), the best
-setting of the CPU study (docs/training.md, "Augmentation on glyphs"); 3 in 4 images are warped at ~310 us
-each (112 px, one core), so ~1.2 host cores at the r50 step's ~5,000 img/s.
+CosFace, not ArcFace, as in configs/glyphs_r18.py (with 12 images per identity ArcFace from scratch collapses), and
+its augmentation (a mild crop and rotation on half the images each, flip), the best setting of the CPU study
+(docs/training.md, "Augmentation on glyphs"). Each warped image costs the host about three JPEG decodes, so a fast
+GPU wants several host cores for the data (``data.threads``). What it measured on an H100: docs/benchmarks.md.
 """
 
 import os

@@ -4,17 +4,13 @@ Learns a linear embedding of a synthetic many-class problem with CosFace on a
 (data=2, class=4) mesh. With no accelerator it runs on 8 simulated CPU devices.
 """
 
-import os
+import jax
+import numpy as np
+import optax
 
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-
-from jaxcls import batch_sharding, make_mesh  # noqa: E402
-from jaxcls.losses import cosface, init_weight, sharded_margin_loss  # noqa: E402
+from jaxcls import batch_sharding, make_mesh
+from jaxcls.losses import cosface, init_weight, sharded_margin_loss
+from jaxcls.startup import simulate_cpu_devices
 
 
 def main(num_classes: int = 10_000, dim: int = 64, batch: int = 512, steps: int = 60) -> list[float]:
@@ -53,4 +49,5 @@ def main(num_classes: int = 10_000, dim: int = 64, batch: int = 512, steps: int 
 
 
 if __name__ == "__main__":
+    simulate_cpu_devices(8)  # used where JAX finds no accelerator
     main()

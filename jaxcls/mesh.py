@@ -109,3 +109,13 @@ def host_rows(mesh: Mesh, global_batch: int) -> tuple[int, int]:
         raise ValueError(f"process {jax.process_index()}'s devices hold rows {rows} of the global batch: not one "
                          "contiguous block; order the mesh's devices host by host")
     return rows[0], rows[-1] + 1
+
+
+def state_shardings(state: dict, mesh: Mesh, class_axes) -> dict:
+    """FC weight and its per-row optimizer slots: ``P(class_axes, None)``; everything else replicated."""
+    shardings = jax.tree.map(lambda _: replicated(mesh), state)
+    fc = weight_sharding(mesh, class_axes)
+    shardings["weight"] = fc
+    shardings["fc_opt"] = state["fc_opt"]._replace(slots=tuple(fc for _ in state["fc_opt"].slots),
+                                                   count=replicated(mesh))
+    return shardings

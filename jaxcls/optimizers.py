@@ -1,4 +1,4 @@
-"""Optimizers by name for the backbone (optax) and the FC rows (``jaxcls.sparse_fc``), and the LR schedule.
+"""Optimizers by name for the backbone (optax) and the FC rows (``jaxcls.fc.optimizers``), and the LR schedule.
 
 Both run at unit learning rate: the train step multiplies the backbone update by the schedule at the global
 step and passes the same rate to the sparse FC update, so a skipped float16 step (optimizer state untouched)
@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import optax
 
-from jaxcls import sparse_fc
+from jaxcls.fc import optimizers as fc_optimizers
 from jaxcls.registry import lookup
 
 
@@ -21,18 +21,18 @@ class OptimizerFamily(NamedTuple):
     ``fc(momentum, weight_decay, state_dtype)`` the same rule applied to sampled FC rows."""
 
     backbone: Callable[[float, float], optax.GradientTransformation]
-    fc: Callable[[float, float, object], sparse_fc.SparseOptimizer]
+    fc: Callable[[float, float, object], fc_optimizers.SparseOptimizer]
 
 
 OPTIMIZERS = {
     # torch SGD with momentum and L2 weight decay (arcface_torch's default)
     "sgd": OptimizerFamily(
         backbone=lambda momentum, wd: optax.chain(optax.add_decayed_weights(wd), optax.sgd(1.0, momentum=momentum)),
-        fc=lambda momentum, wd, state_dtype: sparse_fc.sgd(momentum, wd, state_dtype)),
+        fc=lambda momentum, wd, state_dtype: fc_optimizers.sgd(momentum, wd, state_dtype)),
     # AdamW with decoupled weight decay (arcface_torch's ViT recipes); ``momentum`` is not used
     "adamw": OptimizerFamily(
         backbone=lambda momentum, wd: optax.adamw(1.0, weight_decay=wd),
-        fc=lambda momentum, wd, state_dtype: sparse_fc.adamw(weight_decay=wd, state_dtype=state_dtype)),
+        fc=lambda momentum, wd, state_dtype: fc_optimizers.adamw(weight_decay=wd, state_dtype=state_dtype)),
 }
 
 

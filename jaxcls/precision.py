@@ -18,8 +18,9 @@ import jax.numpy as jnp
 from jaxcls.registry import lookup
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-# the FC optimizer state's storage: "same" as the FC weight's, or a dtype (int8 with a scale per row: sparse_fc.encode
-# also takes float8_e4m3fn, which the trainer does not offer: int8 is the one checked by training, docs/partial_fc.md)
+# the FC optimizer state's storage: "same" as the FC weight's, or a dtype (int8 with a scale per row:
+# fc.optimizers.encode also takes float8_e4m3fn, which the trainer does not offer: int8 is the one checked by
+# training, docs/partial_fc.md)
 FC_STATE_DTYPES = {"same": None, **DTYPES, "int8": jnp.int8}
 
 

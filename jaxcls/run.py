@@ -23,14 +23,12 @@ from jaxcls.data.pipeline import HostBatches
 from jaxcls.data.sources import SOURCES, make_source
 from jaxcls.fc import FCHead
 from jaxcls.losses.margins import MARGINS, CombinedMargin
-from jaxcls.mesh import (CLASS_AXES, batch_sharding, class_shards, host_rows, make_mesh, replicated,
-                         weight_sharding)
-from jaxcls.models import get_model, one_off_compile_options
+from jaxcls.mesh import CLASS_AXES, batch_sharding, class_shards, host_rows, make_mesh, replicated, state_shardings
+from jaxcls.models import make_model, one_off_compile_options, split_model
 from jaxcls.models.layers import BatchNorm
 from jaxcls.optimizers import lr_schedule, make_optimizers
 from jaxcls.precision import DynamicLossScale, compute_dtype
-from jaxcls.sparse_fc import SparseState
-from jaxcls.train_step import Trainer
+from jaxcls.train_step import TrainStep
 
 
 @dataclasses.dataclass
@@ -40,7 +38,7 @@ class Run:
     config: Any
     mesh: Mesh
     source: Any
-    trainer: Trainer
+    train_step: TrainStep
     eval_graphdef: Any  # the backbone's graph in eval mode (running BatchNorm statistics, no dropout)
     abstract_state: dict  # jax.ShapeDtypeStruct leaves with their shardings
     init_fn: Any  # seed -> state, jitted with the state's shardings as outputs
@@ -59,7 +57,7 @@ class Run:
 
     def jit_step(self):
         """``step(state, images, labels) -> (state, metrics)``, jitted with the state donated."""
-        return jax.jit(self.trainer.train_step, donate_argnums=0,
+        return jax.jit(self.train_step, donate_argnums=0,
                        out_shardings=(self.state_shardings, replicated(self.mesh)))
 
     def compile_step(self, state, compiler_options: dict | None = None):
@@ -84,7 +82,7 @@ class Run:
 
     def summary(self) -> list[str]:
         """The resolved run in a few lines: model, FC, mesh and batch, data."""
-        c, head = self.config, self.trainer.head
+        c, head = self.config, self.train_step.head
         params = sum(x.size for x in jax.tree.leaves(self.abstract_state["params"]))
         shards = class_shards(self.mesh, head.class_axes)
         sampling = f"PartialFC {c.sample_rate:g}" if c.sample_rate < 1 else "no PartialFC"
@@ -112,26 +110,10 @@ def make_margin(margin_config) -> CombinedMargin:
                                        straight_through=margin_config.straight_through)
 
 
-def make_model(config, dtype=None, seed=None, bn_groups: int = 1) -> nnx.Module:
-    """The backbone of ``config`` in training mode, its parameters drawn from ``seed`` (default ``config.seed``),
-    its training BatchNorm statistics per block of ``B / bn_groups`` rows (``bn_groups(config, mesh)``)."""
-    dtype = compute_dtype(config.precision) if dtype is None else dtype
-    seed = config.seed if seed is None else seed
-    rngs = nnx.Rngs(params=jax.random.key(seed), dropout=jax.random.key(seed + 1))  # seed may be traced
-    return get_model(config.model, config.num_features, dtype=dtype, remat=config.remat,
-                     input_size=config.data.input_size, bn_groups=bn_groups, rngs=rngs,
-                     **config.model_kwargs)
-
-
 def bn_groups(config, mesh: Mesh) -> int:
     """1 with ``bn_sync`` (statistics over the global batch), else every device of the mesh (one block of rows each,
     as ``batch_sharding`` places them)."""
     return 1 if config.bn_sync else mesh.size
-
-
-def split_model(model: nnx.Module):
-    """``(graphdef, params, everything else)``: BatchNorm statistics, RNG state."""
-    return nnx.split(model, nnx.Param, ...)
 
 
 def build(config, devices=None, with_data: bool = True) -> Run:
@@ -165,23 +147,15 @@ def build(config, devices=None, with_data: bool = True) -> Run:
     scaler = DynamicLossScale(config.loss_scale.initial, config.loss_scale.growth_interval,
                               enabled=config.precision == "float16")
     schedule = lr_schedule(config.lr, config.warmup_steps, config.total_steps, config.lr_power)
-    trainer = Trainer(graphdef, head, tx, schedule, scaler, dtype, config.accum_steps)
+    train_step = TrainStep(graphdef, head, tx, schedule, scaler, dtype, config.accum_steps)
 
     def init(seed):  # the seed is an argument, so every seed shares one compiled program
         _, params, stats = split_model(make_model(config, dtype, seed))
-        return trainer.init_state(params, stats, jax.random.key(seed))
+        return train_step.init_state(params, stats, jax.random.key(seed))
 
     abstract = jax.eval_shape(init, config.seed)
     shardings = state_shardings(abstract, mesh, head.class_axes)
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract, shardings)
-    return Run(config, mesh, source, trainer, eval_graphdef, abstract, jax.jit(init, out_shardings=shardings))
+    return Run(config, mesh, source, train_step, eval_graphdef, abstract, jax.jit(init, out_shardings=shardings))
 
-
-def state_shardings(state: dict, mesh: Mesh, class_axes) -> dict:
-    """FC weight and its per-row optimizer slots: ``P(class_axes, None)``; everything else replicated."""
-    shardings = jax.tree.map(lambda _: replicated(mesh), state)
-    fc = weight_sharding(mesh, class_axes)
-    shardings["weight"] = fc
-    shardings["fc_opt"] = SparseState(tuple(fc for _ in state["fc_opt"].slots), replicated(mesh))
-    return shardings
 

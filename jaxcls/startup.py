@@ -28,6 +28,8 @@ NVIDIA_DRIVER = ("/proc/driver/nvidia/version", "/dev/nvidiactl", "/dev/nvidia0"
 NOISE = re.compile(r"WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR"
                    r"|[IWEF]\d{4} \S+ +\d+ cudart_stub\.cc:\d+\] .*")
 FAILED_INITIALIZE = "Jax plugin configuration error: Exception when calling {}.initialize()"
+DEVICE_COUNT = "--xla_force_host_platform_device_count"  # XLA's flag: the CPU backend's devices
+NO_LLVM_OPTIMIZATION = "--xla_backend_optimization_level=0"
 
 
 def plugin_installed(plugins: tuple[str, ...] = PLUGINS) -> bool:
@@ -87,3 +89,21 @@ def start_jax() -> None:
         for name in filter(lambda name: plugin_installed((name,)), PLUGINS):
             plugin = importlib.import_module(name)
             plugin.initialize = quietly(plugin.initialize)
+
+
+def simulate_cpu_devices(count: int, *, optimize: bool = True) -> None:
+    """Give JAX's CPU backend ``count`` devices, for meshes of many devices without an accelerator. Set in
+    XLA_FLAGS, which processes started from this one inherit (``jax_num_cpu_devices`` would hold for this one only).
+    Call it before anything starts JAX's backends (after ``import jax`` is fine); it then starts them to check.
+    ``optimize=False`` also skips LLVM's optimizations, for programs compiled only for their buffers or run a few
+    times."""
+    import jax  # here, not above: start_jax imports it first
+
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT + "=")]
+    flags.append(f"{DEVICE_COUNT}={count}")
+    if not optimize and NO_LLVM_OPTIMIZATION not in flags:
+        flags.append(NO_LLVM_OPTIMIZATION)
+    os.environ["XLA_FLAGS"] = " ".join(flags)
+    if (started := len(jax.devices("cpu"))) < count:
+        raise RuntimeError(f"JAX's CPU backend has {started} devices, not {count}: it started before they were asked "
+                           "for; ask before anything runs on JAX, or in a fresh process")

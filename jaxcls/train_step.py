@@ -22,7 +22,7 @@ from jaxcls.precision import DynamicLossScale, all_finite, select_tree
 
 
 @dataclasses.dataclass(frozen=True)
-class Trainer:
+class TrainStep:
     """The pieces a step needs: backbone graph, FC head, optimizer, schedule, loss scaling, precision."""
 
     graphdef: Any
@@ -39,7 +39,7 @@ class Trainer:
                 "weight": weight, "fc_opt": fc_opt, "scale": self.scaler.init(),
                 "key": jax.random.key_data(jax.random.fold_in(key, 2))}
 
-    def train_step(self, state: dict, images: jax.Array, labels: jax.Array) -> tuple[dict, dict]:
+    def __call__(self, state: dict, images: jax.Array, labels: jax.Array) -> tuple[dict, dict]:
         """One update on a global batch ``images`` uint8 ``[B, S, S, 3]``, ``labels`` int32 ``[B]``.
 
         Backbone forward → fused FC step (loss, d loss/d embeddings, sparse FC update) → backbone backward.
@@ -54,13 +54,13 @@ class Trainer:
         sample = self.head.sample(key, labels)
         emb, stats, backbone_grads = self._embed(state, images)
         fc_step = partial(self.head.step, state["weight"], state["fc_opt"], emb, labels, sample, lr)
-        loss, d_emb, weight, fc_opt = fc_step(update=not self.scaler.enabled)
+        loss, d_emb, weight, fc_opt = fc_step(with_update=not self.scaler.enabled)
         # scaling d loss/d embeddings scales the loss: float16 backbone gradients then stay representable
         d_emb = self.scaler.scale_loss(d_emb, scale).astype(emb.dtype)
         g_params = self.scaler.unscale(backbone_grads(d_emb), scale)
         finite = all_finite(g_params) & jnp.isfinite(loss)
         if self.scaler.enabled:
-            _, _, weight, fc_opt = fc_step(apply=finite)
+            _, _, weight, fc_opt = fc_step(keep_update=finite)
         updates, opt = self.tx.update(g_params, state["opt"], state["params"])
         updates = jax.tree.map(lambda u: lr * u, updates)
         new = {"params": optax.apply_updates(state["params"], updates), "opt": opt, "stats": stats}

@@ -15,21 +15,21 @@ import shutil
 import socket
 import tempfile
 
-# No LLVM optimization: the tests' programs are small and run a few times, so compiling dominates (a quarter less
-# time per compiled train step); subprocesses inherit these flags (benchmark scripts drop them)
-os.environ["XLA_FLAGS"] = " ".join(
-    [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8",
-     "--xla_backend_optimization_level=0"]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jaxcls  # noqa: E402,F401  (after XLA_FLAGS; before jax, which it imports without the CUDA plugin's noise)
+from jaxcls.startup import simulate_cpu_devices  # noqa: E402  (jaxcls imports jax without the plugin's noise)
+
+# No LLVM optimization: the tests' programs are small and run a few times, so compiling dominates (a quarter less
+# time per compiled train step); subprocesses inherit the XLA_FLAGS this sets (benchmark scripts drop them)
+simulate_cpu_devices(8, optimize=False)
+
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from jaxcls import gpu_target  # noqa: E402
+from jaxcls.plan import gpu_target  # noqa: E402
 
-assert jax.device_count() == 8, "tests need 8 CPU devices: import jax only after conftest sets XLA_FLAGS"
+assert jax.device_count() == 8, "tests need 8 CPU devices: JAX's CPU backend, with the devices conftest asks for"
 
 if "JAXCLS_TEST_XLA_CACHE" not in os.environ:  # the first process of the run; xdist workers inherit its environment
     os.environ["JAXCLS_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="jaxcls-test-xla-cache-")

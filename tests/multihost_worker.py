@@ -18,7 +18,7 @@ from jaxcls import distributed
 from jaxcls.fc import FCHead
 from jaxcls.losses import arcface, sharded_margin_loss
 from jaxcls.mesh import BATCH_ROWS, batch_sharding, class_shards, make_mesh, weight_sharding
-from jaxcls.sparse_fc import SparseState, sgd
+from jaxcls.fc.optimizers import SparseState, sgd
 
 LAYOUTS = {"data,class": ("data", "class"), "class": ("class",)}
 MESH = (2, 4)

@@ -7,7 +7,7 @@ import numpy as np
 
 from jaxcls import batch_sharding
 from jaxcls.losses import init_weight
-from jaxcls.partial_fc import sample_classes
+from jaxcls.fc.sampling import sample_classes
 
 
 def draw(rng, mesh, c, n, rate, class_axes=("data", "class"), key=None):

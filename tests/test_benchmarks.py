@@ -1,5 +1,6 @@
-"""Every benchmark's --small mode runs and writes well-formed JSON (no timing asserts)."""
+"""Every benchmark's --small mode runs and writes well-formed JSON (no timing asserts); the scripts stand alone."""
 
+import ast
 import importlib.util
 import json
 import os
@@ -10,29 +11,74 @@ from pathlib import Path
 import pytest
 
 from conftest import COMPILATION_CACHE
+from jaxcls.bench import RowFailed, in_fresh_process
+from jaxcls.config import benchmark_config
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = {
     "loss.py": {"loss", "ms", "temp_bytes"},
     "fc_memory.py": {"C", "sample_rate", "dtype", "temp_bytes", "bytes_per_class"},
     "backbone_memory.py": {"model", "dtype", "remat", "saved_bytes", "temp_bytes"},
-    "train.py": {"model", "batch", "classes", "img_per_s", "temp_bytes"},
+    "step_throughput.py": {"model", "batch", "classes", "img_per_s", "temp_bytes"},
     "max_classes.py": {"classes", "img_per_s", "is_max"},
-    "data.py": {"stage", "threads", "img_per_s"},
+    "input_pipeline.py": {"stage", "threads", "img_per_s"},
     "cross_host.py": {"class_axes", "mesh", "cross_host_MB_per_host", "collectives"},
-    "inference.py": {"runtime", "model", "batch", "img_per_s", "max_rel_err"},
-    "planner.py": {"model", "classes", "planner_GiB", "planner_parts", "device_GiB", "peak_GiB"},
+    "inference_runtimes.py": {"runtime", "model", "batch", "img_per_s", "max_rel_err"},
+    "planner_vs_device.py": {"model", "classes", "planner_GiB", "planner_parts", "device_GiB", "peak_GiB"},
     "gpu_plan.py": {"model", "fc_state_dtype", "gpus", "fixed_GiB", "bytes_per_class", "max_classes_75",
                     "max_classes_95"},
     "gpu_program.py": {"program", "kind", "kernels", "result_MiB", "moved_GiB"},
     "profile_step.py": {"program", "wall_ms", "device_ms", "fusion_ms"},
+    "fc_rounding.py": {"fc_dtype", "loss_last", "moved_positive", "moved_other", "top1"},
 }
-NEEDS = {"inference.py": "jax2onnx"}
+NEEDS = {"inference_runtimes.py": "jax2onnx"}
 GPU_TARGET = {"gpu_plan.py", "gpu_program.py"}  # compile for a GPU: JAX's CUDA plugin
 
-pytestmark = pytest.mark.slow
+
+def test_scripts_import_no_sibling_and_no_script_is_named_like_a_library_module():
+    """A script's imports work without its folder on sys.path, and ``import <name>`` means one thing."""
+    scripts = {path.stem: path for path in (ROOT / "benchmarks").glob("*.py")}
+    library = {path.stem for path in (ROOT / "jaxcls").rglob("*.py")} | {
+        path.name for path in (ROOT / "jaxcls").rglob("*") if path.is_dir()}
+    assert not scripts.keys() & library
+    for name, path in scripts.items():
+        nodes = list(ast.walk(ast.parse(path.read_text())))
+        imported = {alias.name.split(".")[0] for node in nodes if isinstance(node, ast.Import) for alias in node.names}
+        imported |= {node.module.split(".")[0] for node in nodes if isinstance(node, ast.ImportFrom) and node.module}
+        assert not imported & scripts.keys(), f"{name} imports a sibling: {imported & scripts.keys()}"
 
 
+def test_benchmark_config_reads_set_flags_as_python_values():
+    config = benchmark_config(small=True, overrides=["bn_sync=True", "chunk_size=65536", "model=r34",
+                                                     "data.input_size=64"], batch_size=64)
+    assert (config.bn_sync, config.chunk_size, config.model, config.data.input_size, config.batch_size,
+            config.precision, config.data.kind) == (True, 65536, "r34", 64, 64, "float32", "synthetic")
+
+
+def test_in_fresh_process_returns_the_row_or_raises_with_the_error(tmp_path):
+    (tmp_path / "rows.py").write_text("def row(a):\n    return {'a': a}\n\n\n"
+                                      "def fails():\n    raise ValueError('no row')\n")
+    spec = importlib.util.spec_from_file_location("rows", tmp_path / "rows.py")
+    rows = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rows)
+    assert in_fresh_process(rows.row, [1, "x"]) == {"a": [1, "x"]}
+    with pytest.raises(RowFailed, match="ValueError: no row"):
+        in_fresh_process(rows.fails)
+
+
+def test_fc_state_accuracy_summarises_each_storage_over_its_seeds():
+    spec = importlib.util.spec_from_file_location("fc_state_accuracy", ROOT / "benchmarks" / "fc_state_accuracy.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    runs = [{"state": s, "seed": seed, "final": {"val/x/accuracy": a, "val/x/accuracy_std": 0.01}}
+            for s, seed, a in [("float32", 0, 0.9), ("int8", 0, 0.8), ("float32", 1, 0.7)]]
+    table = {row["state"]: row for row in script.summary(runs)}
+    assert table["float32"]["seeds"] == [0, 1] and table["float32"]["accuracy"] == [0.9, 0.7]
+    assert table["float32"]["mean"] == pytest.approx(0.8) and table["float32"]["sd"] == pytest.approx(0.1 * 2 ** 0.5)
+    assert table["int8"]["mean"] == 0.8 and table["int8"]["sd"] is None
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.gpu_target if s in GPU_TARGET else ())
                                     for s in sorted(SCRIPTS)])
 def test_small_mode_writes_json(script, tmp_path):
@@ -48,6 +94,6 @@ def test_small_mode_writes_json(script, tmp_path):
     assert result["environment"]["backend"] and result["rows"]
     for row in result["rows"]:
         assert SCRIPTS[script] <= row.keys()
-    if script == "inference.py":  # every runtime embeds as JAX does
+    if script == "inference_runtimes.py":  # every runtime embeds as JAX does
         assert {r["runtime"] for r in result["rows"]} == {"jax", "stablehlo", "onnxruntime"}
         assert all(r["max_rel_err"] <= 1e-4 for r in result["rows"])

@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcls import checkpoint, make_mesh, weight_sharding
 from jaxcls.losses import init_weight
-from jaxcls.sparse_fc import SparseState, adamw, sgd
+from jaxcls.fc.optimizers import SparseState, adamw, sgd
 
 
 ADAMW_BF16, SGD_INT8 = partial(adamw, state_dtype=jnp.bfloat16), partial(sgd, state_dtype=jnp.int8)

@@ -1,10 +1,11 @@
-"""arcface_torch backbones into jaxcls and back (``jaxcls.convert``): checked against insightface's own PyTorch code.
+"""arcface_torch backbones into jaxcls and back (``jaxcls.interop.arcface_torch``, ``jaxcls.convert``): checked
+against insightface's own PyTorch code.
 
 Each model is built in PyTorch with random weights, random BatchNorm affine parameters and running statistics and
 random PReLU slopes, converted, and its jaxcls embeddings of real (glyph) images compared with PyTorch's, in float32,
-with arcface_torch's input convention (RGB, (x/255 − 0.5)/0.5, NCHW 112×112). Those tests need torch and insightface's
-code and skip without them; the committed fixtures in tests/fixtures (r18, mbf and a narrow ViT, written by
-insightface's code) check the same without either.
+with arcface_torch's input convention (RGB, (x/255 − 0.5)/0.5, NCHW 112×112). Those tests need torch and
+insightface's code and skip without them; the committed fixtures in tests/fixtures (r18, mbf and a narrow ViT,
+written by insightface's code) check the same without either.
 """
 
 import functools
@@ -22,11 +23,11 @@ from flax import nnx
 
 from conftest import free_port
 from jaxcls.checkpoint import CheckpointError
-from jaxcls.convert import (ARCFACE_MODELS, arcface_name, import_torch, jaxcls_to_torch, run_config, torch_keys,
-                            torch_to_jaxcls, write_run)
-from jaxcls.data.recordio import DataError
-from jaxcls.inference import Embedder, agreement, deployed, deployed_input, restore_backbone
-from jaxcls.torch_pth import load_state_dict, save_pth
+from jaxcls.interop.arcface_torch import (ARCFACE_MODELS, arcface_name, import_torch, jaxcls_to_torch, run_config,
+    torch_keys, torch_to_jaxcls, write_run)
+from jaxcls.errors import DataError
+from jaxcls.interop.inference import Embedder, agreement, deployed, deployed_input, restore_backbone
+from jaxcls.interop.torch_pth import load_state_dict, save_pth
 
 INSIGHTFACE = Path(__file__).resolve().parents[2] / "shared" / "bench" / "insightface"
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.cuda.amp.autocast:FutureWarning")  # insightface's code
@@ -271,7 +272,7 @@ def test_only_the_counterparts_of_arcface_torch_go_back_to_torch():
         arcface_name(_with(run_config("r18"), width=16))
     # mbf_large is jaxcls's mbf with model_kwargs, which survive a run's config.json
     from jaxcls.config import from_json
-    from jaxcls.run import make_model
+    from jaxcls.models import make_model
     config = from_json(run_config("mbf_large").to_json_best_effort())
     assert (config.model, arcface_name(config)) == ("mbf", "mbf_large")
     large = nnx.eval_shape(lambda: make_model(config))
@@ -395,7 +396,7 @@ def test_a_vit_converts_as_insightface_computes_it():
     (tests/fixtures/make_vit_reference.py): its keys are the mapping's, in order, and the mapping (``vit_layers``, which
     every ViT name uses at its own depth) gives the same embeddings; a ViT whose qkv heads were read in another order
     does not."""
-    from jaxcls.convert import layer_keys, load_torch_state, vit_layers
+    from jaxcls.interop.arcface_torch import layer_keys, load_torch_state, vit_layers
     from jaxcls.models.vit import VisionTransformer
     state, reference = load_state_dict(FIXTURES / "vit_reference.pth"), np.load(FIXTURES / "vit_reference.npz")
     make = lambda: VisionTransformer(32, 2, 4, num_features=16, rngs=nnx.Rngs(0))

@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxcls import class_shards, make_mesh
-from jaxcls.hlo import collectives
+from jaxcls.plan.hlo import collectives
 from jaxcls.losses import class_parallel_cross_entropy, masked_fill_value
 from reference import rel_err
 

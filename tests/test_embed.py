@@ -12,10 +12,11 @@ from PIL import Image
 
 from jaxcls.config import base_config
 from jaxcls.data.pipeline import normalize
-from jaxcls.data.recordio import DataError, pack, write_records
+from jaxcls.errors import DataError
+from jaxcls.data.recordio import pack, write_records
 from jaxcls.data.sources import ProceduralGlyphs
 from jaxcls.embed import run
-from jaxcls.inference import restore_backbone
+from jaxcls.interop.inference import restore_backbone
 from tiny import saved_run
 
 pytestmark = pytest.mark.slow  # compiles an r18 (and exports it)
@@ -96,7 +97,7 @@ def test_a_rec_file_and_a_list_give_their_images_in_order(workdir, tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("jax2onnx") is None,
                     reason="jax2onnx is not installed: pip install --no-deps jax2onnx==0.17.1")
 def test_cli_with_onnx_equals_the_workdir_and_strict_stops(workdir, tmp_path):
-    from jaxcls.export import export_run
+    from jaxcls.interop.export import export_run
     export_run(workdir, onnx=tmp_path / "m.onnx")
     (tmp_path / "faces").mkdir()
     for k, image in enumerate(glyphs(3)):

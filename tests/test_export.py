@@ -12,8 +12,8 @@ import pytest
 from jaxcls.config import base_config
 from jaxcls.data.pipeline import normalize
 from jaxcls.data.recordio import MXFaceDataset
-from jaxcls.export import ONNX_OPSET, export_run, load_jax_export
-from jaxcls.inference import OnnxEmbedder, agreement, deployed_input, restore_backbone
+from jaxcls.interop.export import ONNX_OPSET, export_run, load_jax_export
+from jaxcls.interop.inference import OnnxEmbedder, agreement, deployed_input, restore_backbone
 from test_recordio import GLYPHS, needs_glyphs
 from tiny import get_config as tiny_config
 from tiny import saved_run

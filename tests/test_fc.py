@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from jaxcls import batch_sharding, class_shards, make_mesh
-from jaxcls.hlo import collectives
+from jaxcls.plan.hlo import collectives
 from jaxcls.fc import FCHead
 from jaxcls.losses import sharded_margin_loss
-from jaxcls.partial_fc import gather_rows
-from jaxcls.sparse_fc import SparseState, adamw, decode, encode, sgd
+from jaxcls.fc.sampling import gather_rows
+from jaxcls.fc.optimizers import SparseState, adamw, decode, encode, sgd
 from reference import MARGINS, adamw_step, rel_err, sgd_step, value_and_grads
 
 LAYOUTS = [((1, 8), ("data", "class")), ((2, 4), ("data", "class")), ((2, 4), ("class",)), ((4, 2), ("class",))]
@@ -111,7 +111,7 @@ def test_fused_step_equals_autodiff_route(margin, rng):
 def test_skipped_or_gradient_only_steps_leave_the_fc_untouched(rng):
     head, weight, state, emb, labels, sample = setup(rng, (2, 4), ("data", "class"), 0.3, 5, "adamw")
     loss, d_emb, _, _ = run(head, weight, state, emb, labels, sample, 0.1)
-    for kwargs in ({"apply": jnp.bool_(False)}, {"update": False}):
+    for kwargs in ({"keep_update": jnp.bool_(False)}, {"with_update": False}):
         loss2, d_emb2, new_w, new_state = run(head, weight, state, emb, labels, sample, 0.1, **kwargs)
         assert float(loss2) == float(loss) and np.array_equal(d_emb2, d_emb)
         assert np.array_equal(new_w, weight) and int(new_state.count) == int(state.count)

@@ -21,8 +21,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from jaxcls.data.recordio import (_MAGIC_BYTES, DataError, MXFaceDataset, decode_image, encode_record,
-                                  max_image_pixels, pack)
+from jaxcls.data.recordio import _MAGIC_BYTES, MXFaceDataset, encode_record, pack
+from jaxcls.errors import DataError
+from jaxcls.data.images import decode_image, max_image_pixels
 from jaxcls.eval.verification import load_bin
 from test_image_limit import claiming, encoded
 

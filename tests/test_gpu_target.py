@@ -12,9 +12,9 @@ import sys
 import jax
 import pytest
 
-from jaxcls import gpu_target
-from jaxcls.hlo import collectives
-from jaxcls.memory import step_memory
+from jaxcls.plan import gpu_target
+from jaxcls.plan.hlo import collectives
+from jaxcls.plan.memory import step_memory
 from jaxcls.run import build
 from tiny import get_config
 

@@ -7,7 +7,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxcls import make_mesh
-from jaxcls.hlo import Collective, collectives, cross_host_bytes, kernels
+from jaxcls.plan.hlo import Collective, collectives, cross_host_bytes
+from jaxcls.plan.kernels import kernels
 
 HLO = """
   %ag = f32[64,32]{1,0} all-gather(f32[16,32]{1,0} %x), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}

@@ -13,11 +13,12 @@ from PIL import Image
 from jaxcls.config import base_config
 from jaxcls.data.align import ARCFACE_TEMPLATE, align_face, similarity_transform, warp_affine
 from jaxcls.data.pipeline import normalize
-from jaxcls.data.recordio import DataError, MXFaceDataset
+from jaxcls.errors import DataError
+from jaxcls.data.recordio import MXFaceDataset
 from jaxcls.data.sources import ProceduralGlyphs
 from jaxcls.eval.ijb import FARS, read_protocol, run
 from jaxcls.eval.roc import far_key
-from jaxcls.inference import restore_backbone
+from jaxcls.interop.inference import restore_backbone
 from test_align import rotation
 from test_recordio import GLYPHS
 from test_roc import reference_roc, reference_tar
@@ -27,7 +28,7 @@ JPEG_QUALITY = 95  # of the loose crops
 
 
 def glyph_faces(identities, per):
-    """``per`` 112×112 images of each of ``identities`` glyphs: real fonts' kanji when ../shared has them."""
+    """``per`` 112×112 images of each of ``identities`` glyphs: real fonts' kanji when the glyphs data set is there."""
     if (GLYPHS / "train.rec").exists():
         data = MXFaceDataset(GLYPHS)
         labels = np.array([data.raw(i)[1] for i in range(12 * identities + 12)])

@@ -14,10 +14,11 @@ from PIL import Image
 
 from jaxcls.data.pack import folder_images, pack_images
 from jaxcls.data.pipeline import HostBatches
-from jaxcls.data.recordio import (DEFAULT_MAX_IMAGE_PIXELS, DataError, MXFaceDataset, decode_image, max_image_pixels,
-                                  pack, write_records)
+from jaxcls.data.images import DEFAULT_MAX_IMAGE_PIXELS, decode_image, max_image_pixels
+from jaxcls.errors import DataError
+from jaxcls.data.recordio import MXFaceDataset, pack, write_records
 from jaxcls.data.sources import ImageFolder
-from jaxcls.embed import embed_images, image_source
+from jaxcls.interop.inference import embed_images, image_source
 from jaxcls.eval.ijb import aligned_loader
 from jaxcls.eval.verification import load_bin
 

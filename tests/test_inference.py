@@ -12,7 +12,8 @@ import pytest
 
 from jaxcls.checkpoint import CheckpointError, RunCheckpoints
 from jaxcls.data.pipeline import normalize
-from jaxcls.inference import INSTALL, Embedder, OnnxEmbedder, open_embedder, optional_import, restore_backbone
+from jaxcls.extras import INSTALL, optional_import
+from jaxcls.interop.inference import Embedder, OnnxEmbedder, open_embedder, restore_backbone
 from tiny import get_config, saved_run
 
 pytestmark = pytest.mark.slow  # compiles a run's initializer and its backbone

@@ -6,9 +6,9 @@ import jax
 import pytest
 from tiny import get_config
 
-from jaxcls import memory
-from jaxcls.memory import (DoesNotFit, check_fits, fit_classes, format_bytes, max_classes_that_fit, parse_bytes,
-                           step_memory)
+from jaxcls.plan import memory
+from jaxcls.plan.memory import (DoesNotFit, check_fits, fit_classes, format_bytes, max_classes_that_fit, parse_bytes,
+    step_memory)
 from jaxcls.run import build
 
 

@@ -19,7 +19,7 @@ import pytest
 from conftest import COMPILATION_CACHE, free_port
 from jaxcls.checkpoint import RunCheckpoints
 from jaxcls.mesh import make_mesh
-from jaxcls.sparse_fc import SparseState
+from jaxcls.fc.optimizers import SparseState
 from multihost_worker import LAYOUTS, MESH, fc_problem
 from test_fc import check_step_against_reference
 from test_sharded import check_against_reference

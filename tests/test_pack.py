@@ -11,7 +11,8 @@ import pytest
 from PIL import Image
 
 from jaxcls.data.pack import check_labels, folder_images, main, pack_images
-from jaxcls.data.recordio import DataError, MXFaceDataset
+from jaxcls.errors import DataError
+from jaxcls.data.recordio import MXFaceDataset
 
 GLYPHS = Path(__file__).resolve().parents[2] / "shared" / "data" / "glyphs"
 

@@ -14,7 +14,8 @@ from PIL import Image
 
 from jaxcls.data.augment import Augment, flip_coins
 from jaxcls.data.pipeline import HostBatches, device_batch, normalize, resize_batch, to_image
-from jaxcls.data.recordio import DataError, MXFaceDataset, pack, write_records
+from jaxcls.errors import DataError
+from jaxcls.data.recordio import MXFaceDataset, pack, write_records
 from jaxcls.data.sources import ImageFolder, ProceduralGlyphs
 from jaxcls.mesh import batch_sharding, make_mesh
 

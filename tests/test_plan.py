@@ -9,9 +9,9 @@ import jax
 import pytest
 from tiny import get_config
 
-from jaxcls import plan as plan_module
-from jaxcls.memory import GiB, ClassFit, StepMemory, apply_mem_fraction, mem_fraction
-from jaxcls.plan import cpu_caveats, plan, verdict
+from jaxcls.plan import planner as plan_module
+from jaxcls.plan.memory import ClassFit, GiB, StepMemory, apply_mem_fraction, mem_fraction
+from jaxcls.plan.planner import cpu_caveats, plan, verdict
 from jaxcls.run import build
 
 

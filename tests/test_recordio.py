@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from jaxcls.data import recordio
-from jaxcls.data.recordio import MAGIC, DataError, MXFaceDataset, decode_image, pack, write_records
+from jaxcls.data import images
+from jaxcls.data.recordio import MAGIC, MXFaceDataset, pack, write_records
+from jaxcls.errors import DataError
+from jaxcls.data.images import decode_image
 
 GLYPHS = Path(__file__).resolve().parents[2] / "shared" / "data" / "glyphs"
 needs_glyphs = pytest.mark.skipif(not (GLYPHS / "train.rec").exists(),
@@ -20,8 +22,8 @@ needs_glyphs = pytest.mark.skipif(not (GLYPHS / "train.rec").exists(),
 def decoder(request, monkeypatch):
     """Each JPEG test with libjpeg-turbo through simplejpeg, and with Pillow alone (as where it is not installed)."""
     if request.param == "Pillow":
-        monkeypatch.setattr(recordio, "simplejpeg", None)
-    elif recordio.simplejpeg is None:
+        monkeypatch.setattr(images, "simplejpeg", None)
+    elif images.simplejpeg is None:
         pytest.skip("simplejpeg is not installed")
     return request.param
 

@@ -41,7 +41,7 @@ def test_class_only_layout_and_data_axis():
     run = build(tiny_config(class_axes="class", mesh_data=2))
     assert dict(run.mesh.shape) == {"data": 2, "class": 4}
     assert run.abstract_state["weight"].sharding.is_equivalent_to(weight_sharding(run.mesh, ("class",)), 2)
-    assert run.trainer.head.class_axes == ("class",)
+    assert run.train_step.head.class_axes == ("class",)
 
 
 def test_without_data_opens_nothing_but_generated_sources(tmp_path):

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from jaxcls.data.recordio import DataError
+from jaxcls.errors import DataError
 from jaxcls.eval.verification import BIN_GLOBALS, load_bin
-from jaxcls.safe_pickle import RefusedPickle, restricted_loads
+from jaxcls.data.safe_pickle import RefusedPickle, restricted_loads
 from test_recordio import GLYPHS, needs_glyphs
 
 

@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import MESH_SHAPES
 from jaxcls import batch_sharding, class_shards, make_mesh, weight_sharding
-from jaxcls.hlo import collectives
+from jaxcls.plan.hlo import collectives
 from jaxcls.losses import arcface, cosface, init_weight, sharded_margin_loss
 from reference import MARGINS, rel_err, value_and_grads
 

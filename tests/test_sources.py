@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from jaxcls.data.recordio import DataError, MXFaceDataset, pack, write_records
+from jaxcls.errors import DataError
+from jaxcls.data.recordio import MXFaceDataset, pack, write_records
 from jaxcls.data.sources import ImageFolder, ProceduralGlyphs, SyntheticNoise, make_source
 from tiny import get_config as tiny_config
 

@@ -25,10 +25,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxcls.data.recordio import DataError
-from jaxcls.safe_pickle import RefusedPickle
-from jaxcls import torch_pth
-from jaxcls.torch_pth import load_state_dict, save_pth
+from jaxcls.errors import DataError
+from jaxcls.data.safe_pickle import RefusedPickle
+from jaxcls.interop import torch_pth
+from jaxcls.interop.torch_pth import load_state_dict, save_pth
 from test_safe_pickle import Payload
 
 FORMATS = ("zip", "legacy")

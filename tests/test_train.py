@@ -177,7 +177,7 @@ def test_cli_is_quiet_and_evaluates(tmp_path):
 
 def test_a_step_too_big_for_the_device_stops_before_any_state_with_the_plan(tmp_path):
     # a device reporting a 1 MiB limit (a CPU reports none): the CLI compiles the step, then stops with the plan
-    script = ("import runpy, sys; import jaxcls.memory as m; m.device_limit = lambda devices: 2**20; "
+    script = ("import runpy, sys; import jaxcls.plan.memory as m; m.device_limit = lambda devices: 2**20; "
               f"sys.argv = ['jaxcls.train', '--config', 'tests/tiny.py', '--workdir', {str(tmp_path)!r}]; "
               "runpy.run_module('jaxcls.train', run_name='__main__')")
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=COMPILATION_CACHE, JAX_PLATFORMS="cpu")
@@ -273,7 +273,7 @@ def test_bad_records_stop_the_run_naming_the_file_or_are_skipped_listed_and_coun
     """A folder of the tiny run's 64 classes, one image each (an epoch per 2 steps), one of them a truncated PNG."""
     from PIL import Image
 
-    from jaxcls.data.recordio import DataError
+    from jaxcls.errors import DataError
     from jaxcls.data.sources import ProceduralGlyphs
 
     glyphs = ProceduralGlyphs(num_classes=64, images_per_class=1, size=16, strokes=4)

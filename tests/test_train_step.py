@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from jaxcls.data.pipeline import normalize
-from jaxcls.hlo import collectives
+from jaxcls.plan.hlo import collectives
 from jaxcls.run import build
 from reference import rel_err
 from tiny import get_config as tiny_config
@@ -32,9 +32,9 @@ def test_gradient_accumulation_divides_the_loss():
     state = run1.init_state()
     run2 = build(tiny_config(batch_size=32, accum_steps=2))
     images, labels = batch(np.random.default_rng(0), 16)
-    one, m1 = jax.jit(run1.trainer.train_step)(state, images, labels)
+    one, m1 = jax.jit(run1.train_step)(state, images, labels)
     # example i of the doubled batch sits at 2i and 2i+1, so both micro-batches (x[0::2], x[1::2]) equal x
-    two, m2 = jax.jit(run2.trainer.train_step)(state, np.repeat(images, 2, 0), np.repeat(labels, 2, 0))
+    two, m2 = jax.jit(run2.train_step)(state, np.repeat(images, 2, 0), np.repeat(labels, 2, 0))
     np.testing.assert_allclose(m1["loss"], m2["loss"], rtol=1e-6)
     for a, b in zip(jax.tree.leaves(one["params"]), jax.tree.leaves(two["params"])):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -44,7 +44,7 @@ def test_float16_overflow_skips_backbone_and_fc_updates_and_halves_the_scale():
     run = build(tiny_config(precision="float16", sample_rate=0.5))
     state = run.init_state()
     images, labels = batch(np.random.default_rng(0), 32)
-    step = jax.jit(run.trainer.train_step)
+    step = jax.jit(run.train_step)
     like = lambda old, value: jax.device_put(jnp.asarray(value, old.dtype), old.sharding)  # no recompilation
     huge = state["scale"]._replace(scale=like(state["scale"].scale, 2.0**120))  # d_emb · scale overflows float16
     skipped, m = step({**state, "scale": huge}, images, labels)
@@ -73,7 +73,7 @@ def test_float32_non_finite_step_changes_no_weight(rng):
     # only the backbone skips its update, as its new parameters are non-finite, and the FC rightly learns)
     leaves[poisoned] = jnp.full_like(leaves[poisoned], jnp.nan)
     state["params"] = jax.tree.unflatten(tree, leaves)
-    step = jax.jit(run.trainer.train_step)
+    step = jax.jit(run.train_step)
     new, m = step(state, *batch(rng, 32))
     assert not bool(m["finite"]) and not np.isfinite(float(m["loss"]))
     for k in ("params", "opt", "stats", "weight", "fc_opt"):
@@ -89,7 +89,7 @@ def past_warmup(state):
 
 def running_stats(run, state):
     """The BatchNorm running statistics of a train state."""
-    return nnx.state(nnx.merge(run.trainer.graphdef, state["params"], state["stats"]), nnx.BatchStat)
+    return nnx.state(nnx.merge(run.train_step.graphdef, state["params"], state["stats"]), nnx.BatchStat)
 
 
 def assert_close(a, b, rtol=1e-4, atol=1e-6):
@@ -110,7 +110,7 @@ def assert_same_update(new, expected, old, rtol=1e-2, atol=1e-6):
 
 
 def train_steps(run, state, batches):
-    step = jax.jit(run.trainer.train_step)
+    step = jax.jit(run.train_step)
     losses = []
     for images, labels in batches:
         state, metrics = step(jax.device_put(state, run.state_shardings), images, labels)
@@ -144,18 +144,18 @@ def test_per_device_statistics_step_equals_accumulating_the_devices_rows(rng):
     run = build(tiny_config())
     state = past_warmup(run.init_state())
     images, labels = batch(rng, 32)
-    new, metrics = jax.jit(run.trainer.train_step)(state, images, labels)
+    new, metrics = jax.jit(run.train_step)(state, images, labels)
 
     accumulating = build(tiny_config(accum_steps=8), devices=jax.devices()[:1])
     to_micro = lambda x: x.reshape(8, 4, *x.shape[1:]).swapaxes(0, 1).reshape(x.shape)  # row 8i + j = row 4j + i
-    ref, ref_metrics = jax.jit(accumulating.trainer.train_step)(
+    ref, ref_metrics = jax.jit(accumulating.train_step)(
         jax.device_put(state, accumulating.state_shardings), to_micro(images), to_micro(labels))
     np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-5)
     assert_same_update(new["params"], ref["params"], state["params"])
 
     @jax.jit
     def statistics(params, stats, rows):  # a training-mode forward of one device's rows alone
-        model = nnx.merge(accumulating.trainer.graphdef, params, stats)
+        model = nnx.merge(accumulating.train_step.graphdef, params, stats)
         model(normalize(rows))
         return nnx.state(model, nnx.BatchStat)
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from jaxcls.data.recordio import DataError
+from jaxcls.errors import DataError
 from jaxcls.eval.verification import embed_in_batches, evaluate, kfold_accuracy, load_bin
 
 

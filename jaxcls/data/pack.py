@@ -32,7 +32,9 @@ import numpy as np
 import tqdm
 from PIL import Image
 
-from jaxcls.data.recordio import DataError, MXFaceDataset, decode_image, pack, write_records
+from jaxcls.errors import DataError
+from jaxcls.data.recordio import MXFaceDataset, pack, write_records
+from jaxcls.data.images import decode_image
 from jaxcls.data.sources import ImageFolder
 
 

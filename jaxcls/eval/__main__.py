@@ -25,7 +25,7 @@ from jaxcls.config import from_json
 from jaxcls.eval.evaluator import Evaluator
 from jaxcls.eval.roc import far_key, has_both_kinds, plot_roc, roc_curve, unmeasurable
 from jaxcls.eval.verification import FARS, l2_normalize, pair_cosines
-from jaxcls.inference import optional_import
+from jaxcls.extras import optional_import
 from jaxcls.reporting import configure_logging, run_cli
 from jaxcls.run import build
 from jaxcls.workdir import WorkdirLock, WorkdirLocked

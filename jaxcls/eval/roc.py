@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from jaxcls.inference import optional_import
+from jaxcls.extras import optional_import
 
 
 def has_both_kinds(labels) -> bool:

@@ -65,7 +65,7 @@ def sharded_margin_loss(embeddings: jax.Array, weight: jax.Array, labels: jax.Ar
       embeddings: ``[N, D]`` backbone output, batch sharded ``P(('data', 'class'), None)``.
         Its dtype is the matmul compute dtype (float32, bfloat16 or float16).
       weight: ``[C_pad, D]`` class centres, ``P(class_axes, None)`` (see ``init_weight``); or, with
-        ``row_classes``, a PartialFC sample of ``[R, D]`` rows (see ``jaxcls.partial_fc``).
+        ``row_classes``, a PartialFC sample of ``[R, D]`` rows (see ``jaxcls.fc.sampling``).
       labels: ``[N]`` int global class ids, sharded like the embeddings.
       margin: a ``CombinedMargin``.
       class_axes: ``('data', 'class')`` (every device holds ``C_pad / n_devices`` rows) or

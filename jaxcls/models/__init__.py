@@ -15,6 +15,7 @@ from functools import partial
 import jax
 from flax import nnx
 
+from jaxcls.precision import compute_dtype
 from jaxcls.models.iresnet import STAGES, IResNet
 from jaxcls.models.layers import REMAT_POLICIES
 from jaxcls.models.mobilefacenet import MobileFaceNet
@@ -55,3 +56,19 @@ def create(make: Callable[[], nnx.Module]) -> nnx.Module:
 def count_params(model: nnx.Module) -> int:
     """Number of trainable parameters (``nnx.Param`` leaves)."""
     return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def make_model(config, dtype=None, seed=None, bn_groups: int = 1) -> nnx.Module:
+    """The backbone of ``config`` in training mode, its parameters drawn from ``seed`` (default ``config.seed``),
+    its training BatchNorm statistics per block of ``B / bn_groups`` rows (``bn_groups(config, mesh)``)."""
+    dtype = compute_dtype(config.precision) if dtype is None else dtype
+    seed = config.seed if seed is None else seed
+    rngs = nnx.Rngs(params=jax.random.key(seed), dropout=jax.random.key(seed + 1))  # seed may be traced
+    return get_model(config.model, config.num_features, dtype=dtype, remat=config.remat,
+                     input_size=config.data.input_size, bn_groups=bn_groups, rngs=rngs,
+                     **config.model_kwargs)
+
+
+def split_model(model: nnx.Module):
+    """``(graphdef, params, everything else)``: BatchNorm statistics, RNG state."""
+    return nnx.split(model, nnx.Param, ...)

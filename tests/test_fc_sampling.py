@@ -9,7 +9,7 @@ from scipy import stats
 from conftest import MESH_SHAPES
 from jaxcls import batch_sharding, class_shards, make_mesh
 from jaxcls.losses import arcface, cosface, init_weight, sharded_margin_loss
-from jaxcls.partial_fc import check_sample_rate, gather_rows, sample_budget, sample_classes
+from jaxcls.fc.sampling import check_sample_rate, gather_rows, sample_budget, sample_classes
 from problems import draw
 from reference import rel_err, value_and_grads
 

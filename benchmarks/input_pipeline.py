@@ -1,9 +1,9 @@
 """Input pipeline throughput: RecordIO read + JPEG decode + flip + batch, per decoder, thread count and output size.
 
-    python benchmarks/data.py                      # glyphs (../shared/data/glyphs), 112×112 JPEGs
-    python benchmarks/data.py --root DIR           # any insightface RecordIO folder
-    python benchmarks/data.py --threads 4          # the multi-threaded rows with 4 threads (default: the cores)
-    python benchmarks/data.py --small              # a small generated file; what the test suite runs
+    python benchmarks/input_pipeline.py              # glyphs (../shared/data/glyphs), 112×112 JPEGs
+    python benchmarks/input_pipeline.py --root DIR   # any insightface RecordIO folder
+    python benchmarks/input_pipeline.py --threads 4  # the multi-threaded rows with 4 threads (default: the cores)
+    python benchmarks/input_pipeline.py --small      # a small generated file; what the test suite runs
 
 Rows: each decoder alone (Pillow, simplejpeg, OpenCV where installed) on one thread and on ``--threads`` threads
 (does it release the GIL?); ``decode_image`` (marker checks + simplejpeg, or Pillow without it); a reduced-scale
@@ -25,14 +25,15 @@ from pathlib import Path
 
 import numpy as np
 from absl import flags
-from common import print_table, write_json
 from PIL import Image
 
+from jaxcls.bench import print_table, write_json
 from jaxcls.data import augment as augmentations
-from jaxcls.data import recordio
+from jaxcls.data import images as image_decoding
 from jaxcls.data.augment import Augment
 from jaxcls.data.pipeline import HostBatches, to_image
-from jaxcls.data.recordio import MXFaceDataset, decode_image, pack, write_records
+from jaxcls.data.recordio import MXFaceDataset, pack, write_records
+from jaxcls.data.images import decode_image
 
 GLYPHS = Path(__file__).resolve().parents[2] / "shared" / "data" / "glyphs"
 REDUCED = 48  # configs/glyphs_r18.py's input size
@@ -57,8 +58,8 @@ def pillow(data: bytes) -> np.ndarray:
 def decoders() -> dict:
     """The raw decoders to compare, ``{name: bytes -> uint8 [H, W, 3]}``: those installed."""
     found = {"Pillow": pillow}
-    if recordio.simplejpeg is not None:
-        found["simplejpeg"] = lambda data: recordio.simplejpeg.decode_jpeg(data, "RGB")
+    if image_decoding.simplejpeg is not None:
+        found["simplejpeg"] = lambda data: image_decoding.simplejpeg.decode_jpeg(data, "RGB")
     with contextlib.suppress(ImportError):
         import cv2
 
@@ -70,13 +71,13 @@ def decoders() -> dict:
 @contextlib.contextmanager
 def decoding_with(name: str):
     """jaxcls's decoder: ``simplejpeg`` (when installed) or ``Pillow`` (as without it)."""
-    saved = recordio.simplejpeg
+    saved = image_decoding.simplejpeg
     if name == "Pillow":
-        recordio.simplejpeg = None
+        image_decoding.simplejpeg = None
     try:
         yield
     finally:
-        recordio.simplejpeg = saved
+        image_decoding.simplejpeg = saved
 
 
 def best_of(repeats: int, run) -> float:
@@ -130,7 +131,7 @@ def main():
     parser.add_argument("--root", default=str(GLYPHS))
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
-    parser.add_argument("--out", default="benchmarks/results/data.json")
+    parser.add_argument("--out", default="benchmarks/results/input_pipeline.json")
     args = parser.parse_args()
     flags.FLAGS.mark_as_parsed()  # Grain's worker processes read absl flags
     tmp = tempfile.TemporaryDirectory()
@@ -140,7 +141,7 @@ def main():
     raw = [ds.raw(i % len(ds))[0] for i in range(n)]
     stored = ds[0][0].shape[0]
     counts = sorted({1, args.threads})
-    ours = ["Pillow"] + ["simplejpeg"] * (recordio.simplejpeg is not None)  # jaxcls's decoder, without and with
+    ours = ["Pillow"] + ["simplejpeg"] * (image_decoding.simplejpeg is not None)  # jaxcls's decoder, without and with
     rows = []
 
     def row(stage, decoder, img_per_s, threads=1, workers=0, size=stored):

@@ -13,7 +13,7 @@ at ``sample_rate = 1``) takes every row, without drawing: exactly the full loss.
 The trainer's fused step (``jaxcls.fc.FCHead.step``) reads and updates the sampled rows in
 place, tile by tile. For user code the composable route is ``gather_rows`` → the loss on
 those ``[W·B, D]`` rows (``sharded_margin_loss(..., row_classes=sample.classes)``) under
-``jax.grad`` → ``jaxcls.sparse_fc.SparseOptimizer.update``: no dense ``[C, D]`` gradient either way.
+``jax.grad`` → ``jaxcls.fc.optimizers.SparseOptimizer.update``: no dense ``[C, D]`` gradient either way.
 """
 
 from __future__ import annotations

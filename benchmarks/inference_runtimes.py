@@ -1,7 +1,7 @@
 """Inference throughput of an exported backbone: onnxruntime vs JAX (the same float32 eval-mode model).
 
-    python benchmarks/inference.py            # r50 at 112×112, batch 64: JAX, onnxruntime, jax.export round trip
-    python benchmarks/inference.py --small    # r18 (width 8) at 112×112, batch 8; what the test suite runs
+    python benchmarks/inference_runtimes.py          # r50, 112×112, batch 64: JAX, onnxruntime, jax.export round trip
+    python benchmarks/inference_runtimes.py --small  # r18 (width 8) at 112×112, batch 8; what the test suite runs
 
 Rows: ``runtime`` (jax = ``jax.jit`` of the model on the default device, stablehlo = the deserialized
 ``.jaxexport``, onnxruntime = the ``.onnx`` file on its CPU or CUDA provider), ``img_per_s`` (median over
@@ -18,17 +18,17 @@ import time
 
 import jax
 import numpy as np
-from common import print_table, time_ms, write_json
 
-from jaxcls.export import export_jax, export_onnx, load_jax_export
-from jaxcls.inference import OnnxEmbedder, agreement, deployed, deployed_input
+from jaxcls.bench import print_table, time_ms, write_json
+from jaxcls.interop.export import export_jax, export_onnx, load_jax_export
+from jaxcls.interop.inference import OnnxEmbedder, agreement, deployed, deployed_input
 from jaxcls.models import create, get_model
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true")
-    parser.add_argument("--out", default="benchmarks/results/inference.json")
+    parser.add_argument("--out", default="benchmarks/results/inference_runtimes.json")
     args = parser.parse_args()
     name, kwargs, batch, iters = ("r18", dict(width=8), 8, 3) if args.small else ("r50", {}, 64, 3)
     model = create(lambda: get_model(name, 512, input_size=112, **kwargs))

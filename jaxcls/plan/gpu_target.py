@@ -1,7 +1,7 @@
 """Compiling for a GPU on a machine without one: XLA:GPU's compile-only devices for a named GPU.
 
 JAX's CUDA plugin (``pip install -e '.[plan-gpu]'``: the plugin and ptxas, no CUDA libraries) builds devices from a
-``GpuTargetConfigProto``, XLA's description of a GPU model; ``jaxcls/gpu_targets/*.txtpb`` are XLA's own
+``GpuTargetConfigProto``, XLA's description of a GPU model; ``jaxcls/plan/gpu_targets/*.txtpb`` are XLA's own
 (``xla/backends/gpu/target_config/specs/``, each file names its commit). Programs lowered for those devices compile
 with XLA:GPU as they would on the GPU (cuDNN convolutions, Triton and cuBLAS GEMMs, NCCL collectives, GPU buffer
 assignment), so ``memory_analysis()`` and ``as_text()`` are XLA:GPU's; nothing can run.

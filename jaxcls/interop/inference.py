@@ -8,19 +8,27 @@ uint8 images over every local device. ``deployed(model)`` is the calling convent
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tqdm
 from flax import nnx
 
 from jaxcls.checkpoint import CheckpointError, RunCheckpoints
 from jaxcls.config import from_json
-from jaxcls.data.pipeline import normalize
+from jaxcls.data.pipeline import normalize, to_image
+from jaxcls.data.recordio import MXFaceDataset
+from jaxcls.errors import DataError
+from jaxcls.eval.verification import embed_in_batches
+from jaxcls.extras import optional_import
 from jaxcls.mesh import batch_sharding, make_mesh, replicated
-from jaxcls.run import make_model, split_model
+from jaxcls.models import make_model, split_model
+from jaxcls.reporting import log
 
 
 def restore_backbone(workdir: str | os.PathLike, step: int | None = None, *, dtype=jnp.float32,
@@ -114,19 +122,67 @@ def open_embedder(workdir: str | os.PathLike | None = None, onnx: str | os.PathL
     return Embedder(workdir, step) if onnx is None else OnnxEmbedder(onnx)
 
 
-# The commands that install each optional feature's packages, wherever jaxcls was installed from. jax2onnx goes in
-# without its dependencies: its metadata pins orbax-checkpoint < 0.11.37, which cannot restore jaxcls checkpoints (it
-# never imports orbax), so no extra of pyproject.toml can install it.
-INSTALL = {
-    "export": ("pip install 'onnx>=1.20.1' 'onnx-ir>=0.2.1' 'onnxruntime>=1.24.1' "
-               "&& pip install --no-deps jax2onnx==0.17.1"),
-    "plot": "pip install matplotlib",
-}
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 
 
-def optional_import(module: str, feature: str):
-    """``import module``, or an ``ImportError`` giving the command that installs ``feature``'s packages."""
-    try:
-        return __import__(module)
-    except ImportError as e:
-        raise ImportError(f"{module} is not installed; install what {feature} needs with: {INSTALL[feature]}") from e
+def image_source(spec: str | os.PathLike, size: int) -> tuple[list[str], list[Callable[[], np.ndarray]]]:
+    """``(names, loaders)`` of the images of a folder (recursively, by suffix), a ``.rec`` file (with its ``.idx``)
+    or a text file listing one image path per line (relative to the list's folder); ``loaders[i]()`` returns
+    uint8 ``[size, size, 3]`` RGB or raises ``DataError``/``OSError`` naming the image."""
+    path = Path(spec)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+        names = [p.relative_to(path).as_posix() for p in files]
+    elif path.suffix == ".rec":
+        data = MXFaceDataset(path.parent, path.stem)
+        names = [str(k) for k in data.keys]
+        loaders = [lambda i=i: to_image(data.raw(i)[0], size, data.where(i)) for i in range(len(data))]
+        return names, loaders
+    elif path.is_file():
+        names = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+        files = [path.parent / name for name in names]
+    else:
+        raise FileNotFoundError(f"{path}: no such folder, .rec file or image list")
+    if not names:
+        raise DataError(f"{path}: no images in it (looked for {', '.join(IMAGE_SUFFIXES)})")
+    return names, [lambda p=p: to_image(p.read_bytes(), size, str(p)) for p in files]
+
+
+def embed_images(embed: Callable[[np.ndarray], np.ndarray], loaders: Sequence[Callable[[], np.ndarray]],
+                 names: Sequence[str], *, batch_size: int = 256, flip: bool = False, strict: bool = False,
+                 threads: int = 8, progress: bool = True):
+    """``(embeddings float32 [M, D], kept indices [M], failures [(name, message)])``: every image that loads,
+    embedded in batches of ``batch_size`` (the last one padded, so one program serves all); images load in
+    ``threads`` threads, one batch ahead of the model. ``flip`` adds the mirror image's embedding. ``strict``:
+    the first failure raises."""
+    failures, kept, out = [], [], []
+
+    def load(i):
+        try:
+            return loaders[i]()
+        except (DataError, OSError) as e:
+            if strict:
+                raise
+            return e
+
+    starts = range(0, len(loaders), batch_size)
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool, \
+            tqdm.tqdm(total=len(loaders), unit="img", disable=not progress, dynamic_ncols=True) as bar:
+        submit = lambda start: [pool.submit(load, i) for i in range(start, min(start + batch_size, len(loaders)))]
+        pending = submit(0) if loaders else []
+        for start in starts:
+            images = [f.result() for f in pending]
+            pending = submit(start + batch_size) if start + batch_size < len(loaders) else []
+            for i, image in enumerate(images):
+                if isinstance(image, Exception):
+                    message = str(image) if isinstance(image, DataError) else f"{names[start + i]}: {image}"
+                    log.warning("skipped %s", message)
+                    failures.append((names[start + i], message))
+            good = [i for i, image in enumerate(images) if isinstance(image, np.ndarray)]
+            if good:
+                batch = np.stack([images[i] for i in good])
+                out.append(embed_in_batches(embed, batch, batch_size, flip).astype(np.float32))
+                kept.extend(start + i for i in good)
+            bar.update(len(images))
+    embeddings = np.concatenate(out) if out else np.zeros((0, 0), np.float32)
+    return embeddings, np.asarray(kept, np.int64), failures

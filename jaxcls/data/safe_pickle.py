@@ -23,7 +23,7 @@ import pickle
 import pickletools
 from collections.abc import Callable, Mapping
 
-from jaxcls.data.recordio import DataError
+from jaxcls.errors import DataError
 
 Allowed = Mapping[tuple[str, str], Callable]
 

@@ -31,8 +31,8 @@ from jaxcls.losses.cross_entropy import combine_stats
 from jaxcls.losses.margins import CombinedMargin
 from jaxcls.losses.sharded import init_weight
 from jaxcls import mesh as layout
-from jaxcls.partial_fc import ClassSample, check_sample_rate, sample_classes
-from jaxcls.sparse_fc import SparseOptimizer, SparseState
+from jaxcls.fc.sampling import ClassSample, check_sample_rate, sample_classes
+from jaxcls.fc.optimizers import SparseOptimizer, SparseState
 
 DEFAULT_CHUNK = 65_536  # rows per tile: temporaries O(N·T + T·D), large enough to keep a GPU's matmuls busy
 
@@ -74,16 +74,16 @@ class FCHead:
                               sample_rate=self.sample_rate, class_axes=self.class_axes)
 
     def step(self, weight, state: SparseState, embeddings, labels, sample: ClassSample | None, lr, *,
-             update: bool = True, apply=True):
-        """Loss, embedding gradient and (if ``update``) one optimizer step on the sampled rows.
+             with_update: bool = True, keep_update=True):
+        """Loss, embedding gradient and (if ``with_update``) one optimizer step on the sampled rows.
 
         Args:
           weight: ``[C_pad, D]`` ``P(class_axes, None)``; ``state`` its optimizer state. Donate both.
           embeddings: ``[N, D]`` backbone output, ``P(('data', 'class'), None)``, any float dtype (the
             matmul dtype); ``labels`` ``[N]`` int, sharded alike.
           sample: from ``sample`` (``None``: every row, as ``sample_rate=1``).
-          update: ``False`` returns ``weight`` and ``state`` untouched (no update work is traced).
-          apply: a scalar bool; where false the rows and state are left as they were (a skipped step). A
+          with_update: static; ``False`` returns ``weight`` and ``state`` untouched (no update work is traced).
+          keep_update: a traced scalar bool; where false the rows and state are left as they were (a skipped step). A
             non-finite embedding or loss skips the update too.
 
         Returns:
@@ -96,19 +96,19 @@ class FCHead:
                        else sample.classes)
         labels = labels.astype(jnp.int32)
         labels_ok = jnp.all((labels >= 0) & (labels < self.num_classes))
-        apply = jnp.asarray(apply, bool) & labels_ok
+        keep_update = jnp.asarray(keep_update, bool) & labels_ok
         matrix = layout.weight_spec(self.class_axes)
         slots = (matrix,) * len(state.slots)
-        per_shard = partial(_step_shard, head=self, update=update, global_batch=embeddings.shape[0])
+        per_shard = partial(_step_shard, head=self, with_update=with_update, global_batch=embeddings.shape[0])
         loss, d_emb, weight, new_slots, count = jax.shard_map(
             per_shard, mesh=self.mesh,
             in_specs=(layout.BATCH_ROWS, layout.BATCH, matrix, slots, layout.row_spec(self.class_axes), P(), P(), P()),
             out_specs=(P(), layout.BATCH_ROWS, matrix, slots, P()),
-        )(embeddings, labels, weight, state.slots, row_classes, jnp.asarray(lr, jnp.float32), state.count, apply)
+        )(embeddings, labels, weight, state.slots, row_classes, jnp.asarray(lr, jnp.float32), state.count, keep_update)
         return jnp.where(labels_ok, loss, jnp.nan), d_emb, weight, SparseState(new_slots, count)
 
 
-def _step_shard(emb, labels, weight, slots, row_classes, lr, count, apply, *, head: FCHead, update: bool,
+def _step_shard(emb, labels, weight, slots, row_classes, lr, count, keep_update, *, head: FCHead, with_update: bool,
                 global_batch: int):
     """Inside shard_map: ``emb`` ``[N/W_all, D]``, ``labels`` ``[N/W_all]``, ``weight`` and ``slots``
     ``[C_local, D]``, ``row_classes`` ``[R]`` the ascending classes of the rows taking part (all C_local
@@ -145,16 +145,16 @@ def _step_shard(emb, labels, weight, slots, row_classes, lr, count, apply, *, he
     # a non-finite embedding or loss never reaches the rows (the caller sees the loss non-finite); every shard
     # decides alike (replicas of the rows over data axes hold other samples)
     finite = jnp.all(jnp.isfinite(lse)) & jnp.all(jnp.isfinite(e_n32))
-    apply = apply & (lax.pmin(finite.astype(jnp.int32), head.mesh.axis_names) > 0)
-    count = count + apply.astype(count.dtype) if update else count  # the optimizer's step number
+    keep_update = keep_update & (lax.pmin(finite.astype(jnp.int32), head.mesh.axis_names) > 0)
+    count = count + keep_update.astype(count.dtype) if with_update else count  # the optimizer's step number
 
     def backward(carry, i):
         d_e, weight, slots = carry
         index, valid, first, owned = locate(i)
         w_tile, *s_tiles = (_from_bits(a[index], t) for a, t in zip((weight, *slots), dtypes))
         d_e_tile, d_w_tile = tiles.tile_grads(e_n, w_tile, targets, valid, first, owned, head.margin, lse, g)
-        if update:  # rows the tile does not own (overlap with the previous tile) or padding stay as they are
-            keep = apply & valid & (first + jnp.arange(tile) >= owned)
+        if with_update:  # rows the tile does not own (overlap with the previous tile) or padding stay as they are
+            keep = keep_update & valid & (first + jnp.arange(tile) >= owned)
             new_w, new_slots = head.optimizer.apply_rows(w_tile, s_tiles, d_w_tile, lr, count)
             weight, *slots = (a.at[index].set(_to_bits(jnp.where(keep[:, None], n, o)), unique_indices=True)
                               for a, n, o in zip((weight, *slots), (new_w, *new_slots), (w_tile, *s_tiles)))

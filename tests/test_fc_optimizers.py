@@ -10,8 +10,8 @@ import pytest
 
 from jaxcls import make_mesh
 from jaxcls.losses import init_weight
-from jaxcls.partial_fc import gather_rows
-from jaxcls.sparse_fc import SparseState, adamw, decode, encode, sgd
+from jaxcls.fc.sampling import gather_rows
+from jaxcls.fc.optimizers import SparseState, adamw, decode, encode, sgd
 from problems import draw
 
 

@@ -7,7 +7,7 @@ no data is read) and prints the bytes per device by part, the total against the 
 (bytes are affine in the class count: two compiles and a solve, a third to confirm).
 
 ``--target h100`` (``h200``, ``a100-80gb``) compiles with XLA:GPU for ``--devices`` compile-only GPUs of that model
-(``jaxcls.gpu_target``; needs JAX's CUDA plugin, not a GPU): the numbers are XLA:GPU's own, short only of
+(``jaxcls.plan.gpu_target``; needs JAX's CUDA plugin, not a GPU): the numbers are XLA:GPU's own, short only of
 autotuning. ``--target cpu`` (the default) compiles with XLA:CPU for ``--devices`` simulated CPU devices: the FC,
 parameter, optimizer and input parts are array shapes, the same on every backend, but activations and temporaries
 are XLA:CPU's, which ``cpu_caveats`` says overstate a GPU's.
@@ -16,41 +16,26 @@ are XLA:CPU's, which ``cpu_caveats`` says overstate a GPU's.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 
 import jax
-from absl import flags
 
-from jaxcls import gpu_target
-from jaxcls.config import define_config_flag
-from jaxcls.memory import (StepMemory, format_bytes, max_classes_that_fit, mem_fraction, parse_bytes, probe_rows,
-                           step_memory)
+from jaxcls.plan import gpu_target
+from jaxcls.startup import simulate_cpu_devices
+from jaxcls.plan.memory import (StepMemory, format_bytes, max_classes_that_fit, mem_fraction, probe_rows,
+    step_memory)
 from jaxcls.mesh import class_shards
-from jaxcls.reporting import configure_logging, run_cli
 from jaxcls.run import build
 
 TARGETS = ("cpu", *gpu_target.TARGETS)
 
 
-def simulate_cpu_devices(count: int) -> None:
-    """Run on ``count`` CPU devices; must happen before JAX initializes its backends."""
-    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
-                                        f"--xla_force_host_platform_device_count={count}",
-                                        "--xla_backend_optimization_level=0"])  # buffers only: skip LLVM work
-    jax.config.update("jax_platforms", "cpu")
-    if jax.device_count() < count:
-        raise RuntimeError(f"JAX started with {jax.device_count()} CPU devices before the planner could ask for "
-                           f"{count}: run the planner in a fresh process")
-
-
 def target_devices(target: str, count: int) -> list:
     """``count`` devices to compile for: simulated CPU devices, or compile-only GPUs of ``target``. JAX runs on
     the CPU platform either way (no GPU driver is needed), so call this before anything starts a backend."""
-    if target == "cpu":
-        simulate_cpu_devices(count)
-        return jax.devices()[:count]
     jax.config.update("jax_platforms", "cpu")
+    if target == "cpu":
+        simulate_cpu_devices(count, optimize=False)  # compiled for their buffers only: no LLVM optimization
+        return jax.devices()[:count]
     return gpu_target.gpu_devices(target, count)
 
 
@@ -62,7 +47,7 @@ def cpu_caveats(config, run) -> list[str]:
     """Where a GPU's compiled step is known to differ from XLA:CPU's numbers for this config."""
     notes = []
     if config.fc_dtype != "float32":
-        rows = run.trainer.head.rows // class_shards(run.mesh, run.trainer.head.class_axes)
+        rows = run.train_step.head.rows // class_shards(run.mesh, run.train_step.head.class_axes)
         notes.append(f"{config.fc_dtype} FC state: XLA:CPU copies the 16-bit FC arrays to update them (one or two "
                      f"arrays per step, measured: up to {format_bytes(2 * rows * config.num_features * 2)} of the "
                      "temporaries here); XLA:GPU updates the rows in place (--target h100 shows it)")
@@ -159,7 +144,7 @@ def plan(config, devices: list, device_memory: int, max_classes: bool = False, t
     result = Plan(target, devices[0].device_kind, len(devices), len({d.process_index for d in devices}), compiler,
                   device_memory, mem_fraction(config), memory, run.summary(), notes)
     if max_classes:
-        shards = class_shards(run.mesh, run.trainer.head.class_axes)
+        shards = class_shards(run.mesh, run.train_step.head.class_axes)
         rows = probe_rows(config.chunk_size, config.sample_rate)
         fit = max_classes_that_fit(lambda c: memory_at(c)[1], result.usable, shards, rows)
         result.max_classes, result.max_classes_total = fit.classes, fit.memory.total
@@ -167,36 +152,3 @@ def plan(config, devices: list, device_memory: int, max_classes: bool = False, t
     return result
 
 
-def main(argv):
-    if len(argv) > 1:
-        raise ValueError(f"unexpected arguments {argv[1:]}")
-    f = flags.FLAGS
-    count, target = f["devices"].value, f["target"].value
-    if count < 1:
-        raise ValueError(f"--devices must be >= 1, got {count}")
-    device_memory = (parse_bytes(f["device-memory"].value) if f["device-memory"].value
-                     else gpu_target.device_memory(target) if target != "cpu" else parse_bytes("80GiB"))
-    configure_logging(verbose=f["verbosity"].present)
-    result = plan(f.config, target_devices(target, count), device_memory, f["max-classes"].value, target)
-    print("\n".join(result.lines()))
-    if f["json"].value:
-        with open(f["json"].value, "w") as out:
-            json.dump(result.to_json(), out, indent=1)
-        print(f"wrote {f['json'].value}")
-
-
-def define_flags():
-    define_config_flag()
-    flags.DEFINE_enum("target", "cpu", TARGETS, "compile with XLA:CPU for simulated devices, or with XLA:GPU for "
-                      "this GPU (needs JAX's CUDA plugin: pip install -e '.[plan-gpu]'; no GPU)")
-    flags.DEFINE_integer("devices", 8, f"devices the run will have (GPUs: at most {gpu_target.GPUS_PER_HOST} on "
-                         f"one host, else hosts of {gpu_target.GPUS_PER_HOST})")
-    flags.DEFINE_string("device-memory", None, "memory of one device, e.g. 80GiB, 24GB (default: the GPU target's, "
-                        "80GiB for cpu)")
-    flags.DEFINE_bool("max-classes", False, "also find the largest num_classes that fits")
-    flags.DEFINE_string("json", None, "also write the plan as JSON to this path")
-
-
-if __name__ == "__main__":
-    define_flags()
-    run_cli(main)

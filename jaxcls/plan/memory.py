@@ -20,7 +20,6 @@ import os
 import typing
 
 import jax
-import numpy as np
 
 GiB = 2**30
 MEM_FRACTION_VARIABLE = "XLA_PYTHON_CLIENT_MEM_FRACTION"

@@ -1,0 +1,67 @@
+"""Full train-step throughput: img/s and peak memory of the jitted step (backbone + sharded FC + updates).
+
+    python benchmarks/step_throughput.py                 # GPU grid: r50/r100 at batch 128/256/512, mbf at 512;
+                                                         # 1M classes, PartialFC 0.1, bf16; data already on the device
+    python benchmarks/step_throughput.py --pipeline DIR  # the same step fed by the RecordIO pipeline from DIR
+    python benchmarks/step_throughput.py --small         # r18 (width 8) at 32×32 on 8 CPU devices; what the tests run
+    python benchmarks/step_throughput.py --cpu --bn_sync both --steps 5   # r50 at 112×112, batch 16, float32 on 8
+                                                         # CPU devices, BatchNorm statistics per device and over the
+                                                         # global batch
+
+Extra ``--set key=value`` pairs override config keys (e.g. ``--set chunk_size=65536``).
+
+Timing is arcface_torch_bench.py's: each step synchronized (its outputs ready before the next is dispatched), the
+median of ``--steps`` (default 40) after ``--warmup`` (default 15) steps; img/s is the batch over that median.
+Synchronizing each step forgoes the overlap of dispatch with the previous step's work that a JAX training loop has,
+so it can only understate jaxcls's throughput. Each row's ``timing`` says how it was timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+from jaxcls.bench import print_table, select, time_train_step, write_json
+from jaxcls.config import benchmark_config
+from jaxcls.startup import simulate_cpu_devices
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small", action="store_true")
+    parser.add_argument("--cpu", action="store_true", help="r50 at 112×112, batch 16, float32 on 8 CPU devices")
+    parser.add_argument("--bn_sync", choices=["off", "on", "both"], default="off",
+                        help="BatchNorm statistics per device (off), over the global batch (on), or a row of each")
+    parser.add_argument("--pipeline", default=None, help="RecordIO folder to feed the step from")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 40; --small 2, --cpu 5)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 15; --small 1, --cpu 2)")
+    parser.add_argument("--only", action="append", default=[], help="KEY=VALUE: grid rows whose KEY (model, batch, "
+                        "classes, sample_rate, precision) is VALUE")
+    parser.add_argument("--set", action="append", default=[], help="config override key=value")
+    parser.add_argument("--out", default="benchmarks/results/step_throughput.json")
+    args = parser.parse_args()
+    if args.small or args.cpu:
+        simulate_cpu_devices(8)
+    if args.small:
+        grid, steps, warmup = [("r18", 32, 1000, 0.1, "float32")], 2, 1
+    elif args.cpu:
+        grid, steps, warmup = [("r50", 16, 1000, 1.0, "float32")], 5, 2
+    else:
+        grid = [(m, b, 1_000_000, 0.1, "bfloat16") for m in ("r50", "r100") for b in (128, 256, 512)]
+        grid += [("mbf", 512, 1_000_000, 0.1, "bfloat16")]
+        steps, warmup = 40, 15
+    grid = select(grid, ["model", "batch", "classes", "sample_rate", "precision"], args.only)
+    steps, warmup = args.steps or steps, warmup if args.warmup is None else args.warmup
+    syncs = {"off": [False], "on": [True], "both": [False, True]}[args.bn_sync]
+    rows = []
+    for (model, batch, classes, rate, precision), bn_sync in itertools.product(grid, syncs):
+        config = benchmark_config(small=args.small, overrides=args.set, model=model, batch_size=batch,
+                                  num_classes=classes, sample_rate=rate, precision=precision, bn_sync=bn_sync)
+        rows.append(time_train_step(config, steps, args.pipeline, warmup))
+    print_table(rows, ["model", "batch", "classes", "sample_rate", "precision", "bn_sync", "input", "img_per_s",
+                       "ms_per_step", "compile_s", "peak_bytes", "temp_bytes"])
+    write_json(args.out, rows)
+
+
+if __name__ == "__main__":
+    main()
