@@ -28,12 +28,11 @@ from absl import flags
 from PIL import Image
 
 from jaxcls.bench import print_table, write_json
-from jaxcls.data import augment as augmentations
-from jaxcls.data import images as image_decoding
+from jaxcls.data import augment as augmentations, images as image_decoding
 from jaxcls.data.augment import Augment
+from jaxcls.data.images import decode_image
 from jaxcls.data.pipeline import HostBatches, to_image
 from jaxcls.data.recordio import MXFaceDataset, pack, write_records
-from jaxcls.data.images import decode_image
 
 GLYPHS = Path(__file__).resolve().parents[2] / "shared" / "data" / "glyphs"
 REDUCED = 48  # configs/glyphs_r18.py's input size

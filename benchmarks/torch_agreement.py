@@ -20,8 +20,7 @@ import torch
 
 from jaxcls.bench import print_table, write_json
 from jaxcls.interop.arcface_torch import embedding_size, import_torch
-from jaxcls.interop.inference import embed_images, image_source
-from jaxcls.interop.inference import agreement, open_embedder
+from jaxcls.interop.inference import agreement, embed_images, image_source, open_embedder
 from jaxcls.interop.torch_pth import load_state_dict
 
 INSIGHTFACE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "bench", "insightface")

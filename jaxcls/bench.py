@@ -171,8 +171,9 @@ def plain_model(small: bool) -> PlainIResNet:
 
 def plain_step(model: PlainIResNet, rows: int):
     """The plain Flax step that jaxcls's step is measured against (docs/benchmarks.md, "plain Flax"): ``model``, a
-    dense normalised FC of ``rows`` rows (all in every step) with a CosFace margin and softmax cross-entropy, SGD with momentum. Returns the step ``(trainable, stats,
-    momenta), images, labels → same, loss`` and its ``init(key, images) → state``."""
+    dense normalised FC of ``rows`` rows (all in every step) with a CosFace margin and softmax cross-entropy, SGD
+    with momentum. Returns the step ``(trainable, stats, momenta), images, labels → same, loss`` and its
+    ``init(key, images) → state``."""
     optimizer = optax.sgd(0.1, momentum=0.9)
 
     def init(key, images):

@@ -21,12 +21,12 @@ from jaxcls.data import augment
 from jaxcls.data.augment import Augment
 from jaxcls.data.sources import SOURCES
 from jaxcls.fc import DEFAULT_CHUNK
+from jaxcls.fc.sampling import check_sample_rate
 from jaxcls.losses.margins import MARGINS
 from jaxcls.mesh import CLASS_AXES
 from jaxcls.models import MODELS
 from jaxcls.models.layers import REMAT_POLICIES
 from jaxcls.optimizers import OPTIMIZERS, make_optimizers
-from jaxcls.fc.sampling import check_sample_rate
 from jaxcls.precision import DTYPES, FC_STATE_DTYPES
 from jaxcls.registry import lookup
 

@@ -1,5 +1,9 @@
-"""``python -m jaxcls.convert``: an arcface_torch backbone (``.pth``) into a jaxcls run, or a run's backbone back
-(``jaxcls.interop.arcface_torch`` says how each tensor maps)."""
+"""An arcface_torch backbone (``.pth``) into a jaxcls run, or a run's backbone back (``jaxcls.interop.arcface_torch``
+says how each tensor maps).
+
+``python -m jaxcls.convert --torch backbone.pth --model r50 [--num_features 512] --workdir runs/x``
+``python -m jaxcls.convert --to-torch model.pth --workdir runs/x [--step N]``
+"""
 
 from __future__ import annotations
 

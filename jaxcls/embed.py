@@ -20,7 +20,6 @@ from jaxcls.interop.inference import embed_images, image_source, open_embedder
 from jaxcls.reporting import configure_logging, run_cli
 
 
-
 def run(images: str, out: str, *, workdir=None, onnx=None, step=None, batch_size=256, flip=False, strict=False,
         progress=True) -> tuple[np.ndarray, list[str], list]:
     """The CLI as a function: writes ``out`` (``.npy`` added if missing), ``<out>.names.txt`` and (when any)

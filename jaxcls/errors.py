@@ -1,6 +1,7 @@
 """The error of every reader of untrusted files (RecordIO, images, ``.bin`` pairs, ``.pth`` state dicts, IJB
 protocols): ``DataError``, whose message starts with where the problem is."""
 
+
 class DataError(ValueError):
     """Unusable training or evaluation data; the message starts with where: file, key, ``.idx`` line, byte offset."""
 

@@ -1,4 +1,7 @@
-"""``python -m jaxcls.export``: a run's backbone as ONNX or StableHLO (``jaxcls.interop.export``)."""
+"""A run's backbone as ONNX or StableHLO (``jaxcls.interop.export`` says what the files take and give).
+
+``python -m jaxcls.export --workdir runs/x [--step N] --onnx model.onnx [--jax model.jaxexport]``
+"""
 
 from __future__ import annotations
 

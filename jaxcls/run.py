@@ -57,8 +57,10 @@ class Run:
 
     def jit_step(self):
         """``step(state, images, labels) -> (state, metrics)``, jitted with the state donated."""
-        return jax.jit(self.train_step, donate_argnums=0,
-                       out_shardings=(self.state_shardings, replicated(self.mesh)))
+        def train_step(state, images, labels):  # a named function: the program's ops read jit(train_step)/...
+            return self.train_step(state, images, labels)
+
+        return jax.jit(train_step, donate_argnums=0, out_shardings=(self.state_shardings, replicated(self.mesh)))
 
     def compile_step(self, state, compiler_options: dict | None = None):
         """``jit_step`` compiled ahead of time for ``state`` (as initialized, restored or abstract) and one global
@@ -157,5 +159,3 @@ def build(config, devices=None, with_data: bool = True) -> Run:
     shardings = state_shardings(abstract, mesh, head.class_axes)
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract, shardings)
     return Run(config, mesh, source, train_step, eval_graphdef, abstract, jax.jit(init, out_shardings=shardings))
-
-

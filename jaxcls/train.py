@@ -27,8 +27,8 @@ from jaxcls.data.pipeline import device_batch
 from jaxcls.eval.evaluator import Evaluator
 from jaxcls.interrupts import Preempted, StopRequests
 from jaxcls.losses import validate_labels
-from jaxcls.plan.memory import apply_mem_fraction, check_fits, step_memory
 from jaxcls.mesh import batch_sharding
+from jaxcls.plan.memory import apply_mem_fraction, check_fits, step_memory
 from jaxcls.precision import all_finite
 from jaxcls.reporting import MetricsWriter, Progress, configure_logging, log, run_cli
 from jaxcls.run import build

@@ -32,10 +32,10 @@ import numpy as np
 import tqdm
 from PIL import Image
 
-from jaxcls.errors import DataError
-from jaxcls.data.recordio import MXFaceDataset, pack, write_records
 from jaxcls.data.images import decode_image
+from jaxcls.data.recordio import MXFaceDataset, pack, write_records
 from jaxcls.data.sources import ImageFolder
+from jaxcls.errors import DataError
 
 
 def folder_images(root: str | os.PathLike) -> tuple[list[Path], list[int]]:

@@ -23,8 +23,8 @@ import numpy as np
 from PIL import Image
 
 from jaxcls.data.augment import Augment, flip_coins
-from jaxcls.errors import DataError
 from jaxcls.data.images import decode_image
+from jaxcls.errors import DataError
 
 BAD_RECORDS = ("error", "skip")
 MAX_BAD_IN_A_ROW = 100  # with "skip": this many bad records in a row mean the data set is broken

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxcls.errors import DataError
 from jaxcls.data.recordio import MXFaceDataset
+from jaxcls.errors import DataError
 from jaxcls.registry import lookup
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp"}

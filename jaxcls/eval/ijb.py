@@ -23,12 +23,11 @@ import numpy as np
 from absl import flags
 
 from jaxcls.data.align import align_face
-from jaxcls.errors import DataError
 from jaxcls.data.images import decode_image, read_image_header
-from jaxcls.interop.inference import embed_images
+from jaxcls.errors import DataError
 from jaxcls.eval.roc import far_key, roc_metrics, unmeasurable
 from jaxcls.eval.verification import l2_normalize
-from jaxcls.interop.inference import open_embedder
+from jaxcls.interop.inference import embed_images, open_embedder
 from jaxcls.reporting import configure_logging, run_cli
 
 FARS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)

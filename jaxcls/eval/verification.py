@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 
 from jaxcls.data.pipeline import to_image
+from jaxcls.data.safe_pickle import restricted_loads
 from jaxcls.errors import DataError
 from jaxcls.eval.roc import has_both_kinds, roc_metrics
-from jaxcls.data.safe_pickle import restricted_loads
 
 FARS = (1e-1, 1e-2, 1e-3, 1e-4)
 

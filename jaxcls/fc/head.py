@@ -26,13 +26,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
+from jaxcls import mesh as layout
+from jaxcls.fc.optimizers import SparseOptimizer, SparseState
+from jaxcls.fc.sampling import ClassSample, check_sample_rate, sample_classes
 from jaxcls.losses import tiles
 from jaxcls.losses.cross_entropy import combine_stats
 from jaxcls.losses.margins import CombinedMargin
 from jaxcls.losses.sharded import init_weight
-from jaxcls import mesh as layout
-from jaxcls.fc.sampling import ClassSample, check_sample_rate, sample_classes
-from jaxcls.fc.optimizers import SparseOptimizer, SparseState
 
 DEFAULT_CHUNK = 65_536  # rows per tile: temporaries O(N·T + T·D), large enough to keep a GPU's matmuls busy
 

@@ -1,11 +1,10 @@
 """insightface arcface_torch backbones into jaxcls and back: state dicts mapped tensor by tensor, checked both ways.
 
-``python -m jaxcls.convert --torch backbone.pth --model r50 [--num_features 512] --workdir runs/x`` writes a jaxcls
-run at step 0 (``config.json``: that model, 112×112 input; ``checkpoints/0``: its parameters and BatchNorm
-statistics, with a fresh one-class placeholder FC and optimizer state, so that ``restore_backbone``, ``Embedder``,
-``jaxcls.eval``, ``jaxcls.export`` and ``jaxcls.train --init_from`` read it as they read any run);
-``python -m jaxcls.convert --to-torch model.pth --workdir runs/x [--step N]`` writes a run's backbone as a
-``.pth`` that ``get_model(name).load_state_dict(torch.load(path), strict=True)`` takes, written without torch.
+``import_torch`` writes a backbone's state dict as a jaxcls run at step 0 (``config.json``: that model, 112×112 input;
+``checkpoints/0``: its parameters and BatchNorm statistics, with a fresh one-class placeholder FC and optimizer state,
+so that ``restore_backbone``, ``Embedder``, ``jaxcls.eval``, ``jaxcls.export`` and ``jaxcls.train --init_from`` read it
+as they read any run); ``export_torch`` writes a run's backbone as a ``.pth`` that
+``get_model(name).load_state_dict(torch.load(path), strict=True)`` takes, written without torch.
 
 Models (arcface_torch name → jaxcls): r18 r34 r50 r100 r200 → the IResNet of the same name (64 wide); mbf → mbf;
 mbf_large → mbf with ``model_kwargs`` ``blocks=(2, 8, 12, 4), scale=4``; vit_t vit_s vit_b (and the WebFace42M
@@ -44,12 +43,11 @@ from jaxcls.checkpoint import CheckpointError, RunCheckpoints
 from jaxcls.config import base_config, from_json
 from jaxcls.errors import DataError
 from jaxcls.interop.inference import restore_backbone
-from jaxcls.models import get_model
+from jaxcls.interop.torch_pth import load_state_dict, save_pth
+from jaxcls.models import get_model, make_model, split_model
 from jaxcls.models.iresnet import STAGES
 from jaxcls.models.vit import SIZES as VIT_SIZES
 from jaxcls.run import build
-from jaxcls.models import make_model, split_model
-from jaxcls.interop.torch_pth import load_state_dict, save_pth
 from jaxcls.workdir import WorkdirLock
 
 # arcface_torch backbone name → (jaxcls model, its model_kwargs)
@@ -537,5 +535,3 @@ def export_torch(workdir: str | os.PathLike, path: str | os.PathLike, step: int 
     name = arcface_name(config)
     save_pth(path, jaxcls_to_torch(model, name))
     return step, name
-
-

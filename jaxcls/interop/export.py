@@ -1,7 +1,5 @@
 """A trained backbone out of JAX: ONNX (onnxruntime, TensorRT, insightface's model zoo) and serialized StableHLO.
 
-``python -m jaxcls.export --workdir runs/x [--step N] --onnx model.onnx [--jax model.jaxexport]``
-
 Both files take what arcface_torch's exported models take: float32 ``[B, 3, S, S]`` NCHW RGB images normalised as
 ``(x/255 − 0.5)/0.5`` outside the model, any batch size ``B``; both return un-normalised float32 embeddings
 ``[B, D]``. The backbone runs in eval mode and in float32 whatever precision it trained in. ONNX is written by
@@ -20,8 +18,8 @@ import jax
 import jax.numpy as jnp
 
 import jaxcls
-from jaxcls.interop.inference import deployed, restore_backbone
 from jaxcls.extras import optional_import
+from jaxcls.interop.inference import deployed, restore_backbone
 
 ONNX_OPSET = 17  # the lowest that holds every op the backbones need; TensorRT 8.6+ and onnxruntime 1.12+ read it
 INPUT = "float32 [B, 3, S, S] NCHW RGB, (x/255 - 0.5)/0.5"
@@ -80,5 +78,3 @@ def export_run(workdir: str | os.PathLike, step: int | None = None, onnx: str | 
 def _version(package: str) -> str:
     from importlib.metadata import version
     return version(package)
-
-

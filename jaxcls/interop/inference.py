@@ -4,6 +4,8 @@
 the weights of a checkpoint; only parameters and statistics are read, never the FC. ``Embedder`` embeds batches of
 uint8 images over every local device. ``deployed(model)`` is the calling convention of exported models
 (arcface_torch's): float32 ``[B, 3, S, S]`` NCHW RGB normalised as ``(x/255 − 0.5)/0.5`` → embeddings ``[B, D]``.
+``image_source`` lists a folder, a ``.rec`` or a list of images as loaders, and ``embed_images`` embeds them in
+batches, reporting and leaving out the images that cannot be read.
 """
 
 from __future__ import annotations

@@ -34,8 +34,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from jaxcls.errors import DataError
 from jaxcls.data.safe_pickle import restricted_loads
+from jaxcls.errors import DataError
 
 _KIND = "PyTorch state dict"
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C

@@ -15,12 +15,11 @@ from functools import partial
 import jax
 from flax import nnx
 
-from jaxcls.precision import compute_dtype
 from jaxcls.models.iresnet import STAGES, IResNet
 from jaxcls.models.layers import REMAT_POLICIES
 from jaxcls.models.mobilefacenet import MobileFaceNet
-from jaxcls.models.vit import SIZES as VIT_SIZES
-from jaxcls.models.vit import VisionTransformer
+from jaxcls.models.vit import SIZES as VIT_SIZES, VisionTransformer
+from jaxcls.precision import compute_dtype
 from jaxcls.registry import lookup
 
 MODELS = {

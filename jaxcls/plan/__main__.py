@@ -1,4 +1,8 @@
-"""``python -m jaxcls.plan``: will a config fit (``jaxcls.plan.planner`` says how the plan is made)."""
+"""Will a config fit? (``jaxcls.plan.planner`` says how the plan is made.)
+
+``python -m jaxcls.plan --config configs/<x>.py [--config.key=value] [--target h100] [--devices 8]
+[--device-memory 80GiB] [--max-classes] [--json plan.json]``
+"""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ import numpy as np
 
 COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "reduce-scatter", "collective-permute")
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
-          "s64": 8, "u64": 8, "f64": 8}
+               "s64": 8, "u64": 8, "f64": 8}
 _SHAPE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([0-9,]*)\]")
 _OP = re.compile(r"=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
 _EXPLICIT_GROUPS = re.compile(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}")
@@ -191,5 +191,3 @@ def cross_host_bytes(c: Collective, hosts: Sequence[int]) -> list[int]:
             else:  # all-to-all
                 received[host] += g * (k - g) * n // k
     return received
-
-

@@ -1,17 +1,14 @@
-"""Will a config fit? ``python -m jaxcls.plan --config configs/<x>.py [--config.key=value] [--target h100]
-[--devices 8] [--device-memory 80GiB] [--max-classes] [--json plan.json]``
+"""Will a config fit? ``plan`` compiles the config's real train step (the state and the batch as
+``jax.ShapeDtypeStruct``: nothing is allocated, no data is read) and prints the bytes per device by part, the total
+against the memory XLA may use on the device (``config.mem_fraction`` of it) and a verdict; with ``max_classes`` it
+finds the largest ``num_classes`` that fits (bytes are affine in the class count: two compiles and a solve, a third to
+confirm).
 
-Compiles the config's real train step (the state and the batch as ``jax.ShapeDtypeStruct``: nothing is allocated,
-no data is read) and prints the bytes per device by part, the total against the memory XLA may use on the device
-(``config.mem_fraction`` of it) and a verdict. ``--max-classes`` reports the largest ``num_classes`` that fits
-(bytes are affine in the class count: two compiles and a solve, a third to confirm).
-
-``--target h100`` (``h200``, ``a100-80gb``) compiles with XLA:GPU for ``--devices`` compile-only GPUs of that model
+A target ``h100`` (``h200``, ``a100-80gb``) compiles with XLA:GPU for compile-only GPUs of that model
 (``jaxcls.plan.gpu_target``; needs JAX's CUDA plugin, not a GPU): the numbers are XLA:GPU's own, short only of
-autotuning. ``--target cpu`` (the default) compiles with XLA:CPU for ``--devices`` simulated CPU devices: the FC,
-parameter, optimizer and input parts are array shapes, the same on every backend, but activations and temporaries
-are XLA:CPU's, which ``cpu_caveats`` says overstate a GPU's.
-"""
+autotuning. ``cpu`` compiles with XLA:CPU for simulated CPU devices: the FC, parameter, optimizer and input parts are
+array shapes, the same on every backend, but activations and temporaries are XLA:CPU's, which ``cpu_caveats`` says
+overstate a GPU's."""
 
 from __future__ import annotations
 
@@ -19,12 +16,11 @@ import dataclasses
 
 import jax
 
-from jaxcls.plan import gpu_target
-from jaxcls.startup import simulate_cpu_devices
-from jaxcls.plan.memory import (StepMemory, format_bytes, max_classes_that_fit, mem_fraction, probe_rows,
-    step_memory)
 from jaxcls.mesh import class_shards
+from jaxcls.plan import gpu_target
+from jaxcls.plan.memory import StepMemory, format_bytes, max_classes_that_fit, mem_fraction, probe_rows, step_memory
 from jaxcls.run import build
+from jaxcls.startup import simulate_cpu_devices
 
 TARGETS = ("cpu", *gpu_target.TARGETS)
 
@@ -150,5 +146,3 @@ def plan(config, devices: list, device_memory: int, max_classes: bool = False, t
         result.max_classes, result.max_classes_total = fit.classes, fit.memory.total
         result.fixed, result.per_class = fit.fixed, fit.per_class
     return result
-
-
