@@ -30,7 +30,7 @@ from jaxcls.config import benchmark_config  # noqa: E402
 from jaxcls.mesh import class_shards  # noqa: E402
 from jaxcls.plan import gpu_target  # noqa: E402
 from jaxcls.plan.memory import fit_classes, probe_rows  # noqa: E402
-from jaxcls.plan.planner import compiled_memory, target_devices  # noqa: E402
+from jaxcls.plan.planner import compile_step_memory, target_devices  # noqa: E402
 from jaxcls.run import build  # noqa: E402
 
 GRID = list(itertools.product(("r50", "r100", "mbf", "vit_t"), (128, 512), ("float32", "bfloat16"), (1.0, 0.1),
@@ -50,7 +50,7 @@ def row(spec, target, small, fc_state_dtype) -> dict:
     compiled, cublas = {}, {}
 
     def memory_at(classes):
-        _, compiled[classes], cublas[classes] = compiled_memory(config, devices, target, classes)
+        _, compiled[classes], cublas[classes] = compile_step_memory(config, devices, target, classes)
         return compiled[classes]
 
     head = build(config, devices, with_data=False).train_step.head

@@ -107,7 +107,7 @@ class Plan:
                 "max_classes_total_bytes": self.max_classes_total, "summary": self.summary, "notes": self.notes}
 
 
-def compiled_memory(config, devices: list, target: str, num_classes: int | None = None):
+def compile_step_memory(config, devices: list, target: str, num_classes: int | None = None):
     """``(run, its step's bytes per device, whether XLA:GPU took cuBLAS GEMMs)``: ``config`` (at ``num_classes`` if
     given) built for ``devices`` of ``target`` (``target_devices``) and compiled by that target's compiler."""
     c = config.copy_and_resolve_references()
@@ -124,7 +124,7 @@ def plan(config, devices: list, device_memory: int, max_classes: bool = False, t
     cublas = []  # whether a GPU compile had to take cuBLAS for its GEMMs
 
     def memory_at(num_classes=None):
-        run, memory, fell_back = compiled_memory(config, devices, target, num_classes)
+        run, memory, fell_back = compile_step_memory(config, devices, target, num_classes)
         cublas.append(fell_back)
         return run, memory
 
