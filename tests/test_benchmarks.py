@@ -30,9 +30,11 @@ SCRIPTS = {
     "gpu_program.py": {"program", "kind", "kernels", "result_MiB", "moved_GiB"},
     "profile_step.py": {"program", "wall_ms", "device_ms", "fusion_ms"},
     "fc_rounding.py": {"fc_dtype", "loss_last", "moved_positive", "moved_other", "top1"},
+    "mbf_convolutions.py": {"part", "lowering", "batch"},
+    "fc_bytes_per_row.py": {"fc_dtype", "sampled_rows", "moved_bytes", "kb_per_sampled_row", "floor_kb"},
 }
 NEEDS = {"inference_runtimes.py": "jax2onnx"}
-GPU_TARGET = {"gpu_plan.py", "gpu_program.py"}  # compile for a GPU: JAX's CUDA plugin
+GPU_TARGET = {"gpu_plan.py", "gpu_program.py", "fc_bytes_per_row.py"}  # compile for a GPU: JAX's CUDA plugin
 
 
 def test_scripts_import_no_sibling_and_no_script_is_named_like_a_library_module():

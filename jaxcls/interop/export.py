@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import jaxcls
 from jaxcls.extras import optional_import
 from jaxcls.interop.inference import deployed, restore_backbone
+from jaxcls.models import grouped_conv
 
 ONNX_OPSET = 17  # the lowest that holds every op the backbones need; TensorRT 8.6+ and onnxruntime 1.12+ read it
 INPUT = "float32 [B, 3, S, S] NCHW RGB, (x/255 - 0.5)/0.5"
@@ -33,7 +34,8 @@ def export_onnx(model, path: str | os.PathLike, input_size: int, metadata: dict 
     # quiet: notes per constant on untyped shape values, and tracebacks of plugins for libraries not installed here
     for logger in ("onnx_ir.serde", "jax2onnx.plugins.plugin_system"):
         logging.getLogger(logger).setLevel(logging.ERROR)
-    with warnings.catch_warnings():  # its Flax plugins read variables through the deprecated `.value`
+    # ONNX's Conv takes groups, which ONNX runtimes run well: XLA's grouped form, not a platform's (``grouped_conv``)
+    with warnings.catch_warnings(), grouped_conv.forced("xla"):  # jax2onnx's Flax plugins read the deprecated `.value`
         warnings.simplefilter("ignore", DeprecationWarning)
         proto = jax2onnx.to_onnx(deployed(model), [("B", 3, input_size, input_size)], model_name="jaxcls",
                                  opset=ONNX_OPSET, input_names=["images"], output_names=["embeddings"])

@@ -12,6 +12,8 @@ from flax import nnx
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxcls.models import grouped_conv
+
 BN_MOMENTUM = 0.9  # = torch momentum 0.1
 BN_EPS = 1e-5
 
@@ -113,9 +115,11 @@ def _moments(x, axes, keepdims=False, one_pass=True):
 
 def conv(in_ch: int, out_ch: int, kernel: int, stride: int = 1, *, padding: int, groups: int = 1, dtype, rngs,
          use_bias: bool = False, init=nnx.initializers.kaiming_normal()):
-    """NHWC convolution with symmetric integer padding, as torch's ``Conv2d(padding=p)``."""
+    """NHWC convolution with symmetric integer padding, as torch's ``Conv2d(padding=p)``; with ``groups > 1`` in
+    the form the platform runs well (``grouped_conv``), the parameters those of ``nnx.Conv`` whatever the form."""
     return nnx.Conv(in_ch, out_ch, (kernel, kernel), (stride, stride), padding=((padding, padding),) * 2,
-                    feature_group_count=groups, use_bias=use_bias, dtype=dtype, kernel_init=init, rngs=rngs)
+                    feature_group_count=groups, use_bias=use_bias, dtype=dtype, kernel_init=init, rngs=rngs,
+                    conv_general_dilated=grouped_conv.conv_general_dilated)
 
 
 REMAT_POLICIES = {

@@ -15,8 +15,8 @@ from jaxcls.plan.hlo import COLLECTIVES, DTYPE_BYTES, arrays, computations, exec
 class Kernel(NamedTuple):
     """One instruction that the GPU runs as its own kernel (or library call): ``kind`` (``KERNEL_KINDS``), its
     name, the dtype and bytes of its (first) result, how many times one run executes it, for library calls
-    what was called (cuDNN target and layout), the bytes it reads and writes per execution, and the JAX
-    operation it came from (``origins``).
+    what was called (cuDNN target, layout and any ``feature_group_count``), the bytes it reads and writes per
+    execution, and the JAX operation it came from (``origins``).
 
     ``moved_bytes`` is what a memory-bound kernel reads and writes: a fusion's parameters whole or what its
     slices and gathers take of them, its result whole or, updated in place, the update; other kernels their
@@ -179,7 +179,8 @@ def kernels(hlo_text: str) -> list[Kernel]:
             dtype, elements = (arrays(shape) or [("", 0)])[0]
             size = elements * DTYPE_BYTES.get(dtype, 0)
             detail = " ".join(m.group(1) for m in (re.search(r'custom_call_target="([^"]*)"', line),
-                                                    re.search(r"dim_labels=([^,]+)", line)) if m)
+                                                    re.search(r"dim_labels=([^,]+)", line),
+                                                    re.search(r"(feature_group_count=\d+)", line)) if m)
             fused = re.search(r"calls=%?([\w.\-]+)", line) if op == "fusion" else None
             moved = (_fusion_moved(bodies[fused.group(1)], shape) if fused and fused.group(1) in bodies else
                      _bytes(shape) + sum(_bytes(shapes.get(o, "")) for o in _operands(line, match.end())))
