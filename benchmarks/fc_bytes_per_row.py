@@ -4,18 +4,20 @@
     python benchmarks/fc_bytes_per_row.py --classes 2000000 8000000 --fc-dtype bfloat16
     python benchmarks/fc_bytes_per_row.py --small         # 64k and 256k classes, what the tests run
 
-The train step (batch 128, PartialFC 0.1, D = 512, bfloat16 compute, SGD with momentum) is compiled for one H100
-(``jaxcls.plan.gpu_target``) at two class counts; the bytes its kernels read and write (``jaxcls.plan.kernels``)
-differ by what the extra sampled rows cost, so their difference over the difference in sampled rows is the FC path's
-traffic per sampled row, whatever the backbone (a narrow IResNet-18 at 32 px here, for a fast compile; ``--model
-r50 --input-size 112`` gives the same per-row figure). The floor: each sampled row read twice (statistics, then
-gradient) and written once, with its momentum read and written once: 5 KB a row in bfloat16, 10 KB in float32.
-Compile-only: it counts bytes, it does not time. Needs JAX's CUDA plugin.
+The train step (batch 128 or ``--batch``, PartialFC 0.1, D = 512, bfloat16 compute, SGD with momentum) is
+compiled for one H100 (``jaxcls.plan.gpu_target``) at two class counts; the bytes its kernels read and write
+(``jaxcls.plan.kernels``) differ by what the extra sampled rows cost, so their difference over the difference in
+sampled rows is the FC path's traffic per sampled row, whatever the backbone (a narrow IResNet-18 at 32 px here, for
+a fast compile). The floor: each sampled row read twice (statistics, then gradient) and written once, with its
+momentum read and written once: 5 KB a row in bfloat16, 10 KB in float32.
+Each row also gives the bytes per sampled row of each JAX source line's kernels (64 B or more). Compile-only: it
+counts bytes, it does not time. Needs JAX's CUDA plugin.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only GPUs: no CUDA driver is needed, none is started
@@ -30,9 +32,9 @@ from jaxcls.run import build  # noqa: E402
 FLOOR_KB = {"bfloat16": 5.0, "float32": 10.0}  # (2 reads + 1 write of the weight row + momentum read and write) / 1024
 
 
-def moved_bytes(fc_dtype: str, classes: int, model: str, input_size: int, device) -> tuple[int, int]:
-    """``(bytes the step's kernels read and write, sampled rows)`` of the step at ``classes`` classes."""
-    c = benchmark_config(model=model, num_classes=classes, fc_dtype=fc_dtype, precision="bfloat16", batch_size=128,
+def moved_bytes(fc_dtype: str, classes: int, batch: int, model: str, input_size: int, device):
+    """``(bytes the step's kernels read and write per JAX source line, sampled rows)`` at ``classes`` classes."""
+    c = benchmark_config(model=model, num_classes=classes, fc_dtype=fc_dtype, precision="bfloat16", batch_size=batch,
                          sample_rate=0.1, num_features=512,
                          margin=dict(name="cosface", s=64.0, m=0.4, straight_through=False))
     c.data.input_size = input_size
@@ -40,8 +42,10 @@ def moved_bytes(fc_dtype: str, classes: int, model: str, input_size: int, device
         c.model_kwargs = dict(width=8)
     run = build(c, [device], with_data=False)
     compiled = run.compile_step(run.abstract_state, gpu_target.COMPILE_OPTIONS)
-    moved = sum(k.moved_bytes * k.count for k in kernels(compiled.as_text()))
-    return moved, sample_budget(run.train_step.head.rows, c.batch_size, c.sample_rate)
+    by_line = collections.Counter()
+    for k in kernels(compiled.as_text()):  # "kind: operation (file:line)", as gpu_program.py names them
+        by_line[f"{k.kind}: {k.origin.split('/')[-1]}"] += k.moved_bytes * k.count
+    return by_line, sample_budget(run.train_step.head.rows, c.batch_size, c.sample_rate)
 
 
 def main():
@@ -49,6 +53,7 @@ def main():
     parser.add_argument("--classes", type=int, nargs=2)
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--fc-dtype", action="append", choices=list(FLOOR_KB))
+    parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--model", default="r18")
     parser.add_argument("--input-size", type=int, default=32)
     parser.add_argument("--target", default="h100")
@@ -58,14 +63,16 @@ def main():
     device = gpu_target.gpu_devices(args.target, 1)[0]
     rows = []
     for fc_dtype in args.fc_dtype or list(FLOOR_KB):
-        (low, low_rows), (high, high_rows) = (moved_bytes(fc_dtype, c, args.model, args.input_size, device)
+        (low, low_rows), (high, high_rows) = (moved_bytes(fc_dtype, c, args.batch, args.model, args.input_size, device)
                                               for c in args.classes)
-        rows.append({"fc_dtype": fc_dtype, "model": args.model, "classes": args.classes,
-                     "sampled_rows": [low_rows, high_rows], "moved_bytes": [low, high],
-                     "kb_per_sampled_row": (high - low) / (high_rows - low_rows) / 1024,
-                     "floor_kb": FLOOR_KB[fc_dtype]})
+        per_row = {line: (high[line] - low[line]) / (high_rows - low_rows) for line in high | low}
+        rows.append({"fc_dtype": fc_dtype, "model": args.model, "batch": args.batch, "classes": args.classes,
+                     "sampled_rows": [low_rows, high_rows], "moved_bytes": [sum(low.values()), sum(high.values())],
+                     "kb_per_sampled_row": sum(per_row.values()) / 1024, "floor_kb": FLOOR_KB[fc_dtype],
+                     "bytes_per_row_by_line": dict(sorted(((k, v) for k, v in per_row.items() if abs(v) >= 64),
+                                                          key=lambda kv: -kv[1]))})
         print(rows[-1], flush=True)
-    print_table(rows, ["fc_dtype", "model", "sampled_rows", "kb_per_sampled_row", "floor_kb"])
+    print_table(rows, ["fc_dtype", "model", "batch", "sampled_rows", "kb_per_sampled_row", "floor_kb"])
     write_json(args.out, rows)
 
 

@@ -13,7 +13,8 @@ import jax
 import pytest
 
 from jaxcls.plan import gpu_target
-from jaxcls.plan.hlo import collectives
+from jaxcls.plan.hlo import collectives, computations
+from jaxcls.plan.kernels import kernels
 from jaxcls.plan.memory import step_memory
 from jaxcls.run import build
 from tiny import get_config
@@ -51,6 +52,41 @@ def test_the_fc_update_is_in_place_and_no_collective_grows_with_the_classes(fc_s
     assert ops[0] == ops[1] and len(ops[0]) >= 4  # every collective the same size at twice the classes
     assert {c.op for c in ops[0]} >= {"all-gather", "all-reduce"}
     assert all(c.groups for c in ops[0])  # XLA:GPU's mesh form of replica groups read
+
+
+@pytest.mark.slow
+@pytest.mark.gpu_target
+def test_the_tile_loop_writes_no_normalized_copy_of_the_rows():
+    """In the FC step's loops the loss (tiles.py) computes one [T, D] array per tile, the rows' gradient (a GEMM); its
+    other [T, D] outputs are the sampled rows as gathered: the cosines are scaled by each row's inverse norm instead
+    of multiplying a normalized copy of the rows, which cost 4.4 of the 28.8 KB per sampled row that the step moved at
+    batch 128, D = 512 (benchmarks/fc_bytes_per_row.py)."""
+    text = compiled_at(ROWS[0])[1].as_text()
+    bodies, _ = computations(text)
+    tile = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = \w+\[1024,(?:1,)?32\]\S* (\w+)\(")  # chunk_size 1024, D 32
+
+    def computed(kernel):  # its [T, D] results made by anything but a gather (fusion roots seen through bitcasts)
+        line = next(line for line in text.splitlines() if re.match(rf"\s*(?:ROOT )?%{re.escape(kernel.name)} = ", line))
+        if kernel.kind != "fusion":
+            return [kernel.kind] if tile.match(line) else []
+        body = bodies[re.search(r"calls=%?([\w.\-]+)", line).group(1)]
+        instruction = re.compile(r"\s*(?:ROOT )?%([\w.\-]+) = \S+ (\w+)\(")
+        ops = {m.group(1): (m.group(2), line) for line in body if (m := instruction.match(line))}
+        root = next(l for l in body if l.lstrip().startswith("ROOT"))
+        outputs = re.findall(r"%([\w.\-]+)", root.split("(", 1)[1]) if " tuple(" in root else [root.split()[1][1:]]
+        made = []
+        for name in outputs:
+            op, producer = ops[name]
+            while op == "bitcast":
+                name = re.search(r"bitcast\(%([\w.\-]+)", producer).group(1)
+                op, producer = ops[name]
+            if tile.match(producer) and op != "gather":
+                made.append(f"fusion {op}")
+        return made
+
+    from_the_loss = [(made, k.origin) for k in kernels(text) if k.count > 1 and "tiles.py" in k.origin
+                     for made in computed(k)]
+    assert [made for made, _ in from_the_loss] == ["GEMM"], from_the_loss
 
 
 @pytest.mark.slow

@@ -35,8 +35,13 @@ TileFn = Callable[[jax.Array], tuple]
 
 def l2_normalize(x: jax.Array, eps: float = 1e-12) -> jax.Array:
     """Rows of ``x`` scaled to unit L2 norm, computed in float32."""
+    return x.astype(jnp.float32) * inverse_norms(x, eps)[..., None]
+
+
+def inverse_norms(x: jax.Array, eps: float = 1e-12) -> jax.Array:
+    """``1 / ‖x_t‖`` of each row ``[T]`` of ``x`` ``[T, D]``, float32 (``l2_normalize``'s factors)."""
     x = x.astype(jnp.float32)
-    return x * lax.rsqrt(jnp.maximum(jnp.sum(x * x, axis=-1, keepdims=True), eps * eps))
+    return lax.rsqrt(jnp.maximum(jnp.sum(x * x, axis=-1), eps * eps))
 
 
 def validate_labels(labels, num_classes: int) -> None:
@@ -140,12 +145,17 @@ cosines.defvjp(_cosines_fwd, _cosines_bwd)
 
 
 def tile_logits(e_n, w_tile, targets, valid, first, owned, margin: CombinedMargin):
-    """Margin logits ``[N, T]`` float32 of the tile of rows ``w_tile`` ``[T, D]`` starting at local row ``first``.
+    """Margin logits ``[N, T]`` float32 of the tile of rows ``w_tile`` ``[T, D]`` (as stored, not normalized: the
+    cosines are ``(e_n · w_t) / ‖w_t‖``) starting at local row ``first``.
 
     ``valid`` ``[T]`` marks real classes; rows before ``owned`` (overlap with the previous tile) and invalid
     ones get the fill value (exp → 0). Returns ``(logits, each target's column in the tile or -1)``.
     """
-    cos = cosines(e_n, l2_normalize(w_tile).astype(e_n.dtype))
+    # the rows as stored, each cosine scaled by its row's inverse norm [T]: no normalized [T, D] copy is written.
+    # Through float32, so that the row gradient's two parts (the product's, the norm's: a projection that cancels
+    # the radial component) add in float32 and round once to the storage dtype.
+    w32 = w_tile.astype(jnp.float32)
+    cos = cosines(e_n, w32.astype(e_n.dtype)) * inverse_norms(w32)[None, :]
     rel = targets - first
     rel = jnp.where((targets >= owned) & (rel >= 0) & (rel < cos.shape[1]), rel, -1)
     columns = first + lax.broadcasted_iota(jnp.int32, cos.shape, 1)
