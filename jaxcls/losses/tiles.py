@@ -25,7 +25,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 
-from jaxcls.losses.cross_entropy import local_target, masked_fill_value, softmax_minus_onehot
+from jaxcls.losses.cross_entropy import masked_fill_value, softmax_minus_onehot
 from jaxcls.losses.margins import CombinedMargin
 from jaxcls.mesh import check_class_axes, class_shards, padded_num_classes, row_spec, weight_sharding
 
@@ -158,10 +158,10 @@ def tile_logits(e_n, w_tile, targets, valid, first, owned, margin: CombinedMargi
     cos = cosines(e_n, w32.astype(e_n.dtype)) * inverse_norms(w32)[None, :]
     rel = targets - first
     rel = jnp.where((targets >= owned) & (rel >= 0) & (rel < cos.shape[1]), rel, -1)
-    columns = first + lax.broadcasted_iota(jnp.int32, cos.shape, 1)
-    is_target = columns == (rel + first)[:, None]
-    logits = jnp.where(is_target, margin.target_logit(local_target(cos, rel))[:, None], margin.logits(cos))
-    kept = (columns >= owned) & valid[None, :]
+    columns = lax.broadcasted_iota(jnp.int32, cos.shape, 1)  # within the tile: no [N, T] of global indices
+    # the margin's target logit elementwise and selected: no [N] pick whose gradient scatters into an [N, T] array
+    logits = jnp.where(columns == rel[:, None], margin.target_logit(cos), margin.logits(cos))
+    kept = (columns >= owned - first) & valid[None, :]
     return jnp.where(kept, logits, masked_fill_value(jnp.float32)), rel
 
 
@@ -169,16 +169,28 @@ def online_stats(e_n, targets, n_tiles: int, tile_at: TileFn, margin: CombinedMa
     """This shard's softmax statistics ``(row_max, row_sum, target_logit)``, each ``[N]`` float32, tile by tile."""
 
     def step(carry, i):
-        row_max, row_sum, target = carry
         w_tile, valid, first, owned = tile_at(i)
         logits, rel = tile_logits(e_n, w_tile, targets, valid, first, owned, margin)
-        new_max = jnp.maximum(row_max, jnp.max(logits, axis=1))
-        row_sum = row_sum * jnp.exp(row_max - new_max) + jnp.sum(jnp.exp(logits - new_max[:, None]), axis=1)
-        return (new_max, row_sum, target + local_target(logits, rel)), None
+        picked = jnp.where(lax.broadcasted_iota(jnp.int32, logits.shape, 1) == rel[:, None], logits, 0.0)
+        return _merge(carry, _tile_stats(logits, picked)), None
 
     zeros = jnp.zeros_like(e_n[:, 0], jnp.float32)  # zeros_like keeps e_n's varying mesh axes
     init = (zeros + masked_fill_value(jnp.float32), zeros, zeros)
     return lax.scan(step, init, jnp.arange(n_tiles))[0]
+
+
+def _merge(a, b):
+    """Softmax statistics ``(max, Σ exp(x − max), target)`` of two sets of logits → those of their union."""
+    high = jnp.maximum(a[0], b[0])
+    return high, a[1] * jnp.exp(a[0] - high) + b[1] * jnp.exp(b[0] - high), a[2] + b[2]
+
+
+def _tile_stats(logits, picked):
+    """``(max, Σ exp(x − max), Σ picked)`` over each row of ``logits`` ``[N, T]``, in one read of it (a variadic
+    reduction: each logit enters as the statistics of itself alone)."""
+    zero = jnp.zeros((), jnp.float32)
+    return lax.reduce((logits, jnp.ones_like(logits), picked), (masked_fill_value(jnp.float32), zero, zero),
+                      lambda a, b: _merge(a, b), (1,))
 
 
 def tile_grads(e_n, w_tile, targets, valid, first, owned, margin: CombinedMargin, lse, g):
