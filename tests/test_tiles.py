@@ -148,3 +148,25 @@ def test_cosines_gradients_multiply_in_the_operand_dtype(dtype, name, grad_name,
     assert rel_err(cos, e64 @ w64.T) < tol
     assert rel_err(np.asarray(d_e, np.float64), g @ w64) < tol
     assert rel_err(np.asarray(d_w, np.float64), g.T @ e64) < tol
+
+
+@pytest.mark.parametrize("stats", [tiles.stats_in_one_read, tiles.stats_in_separate_reads])
+def test_both_forms_of_the_tile_statistics_equal_float64(stats, rng):
+    """Each row's (max, Σ exp(x − max), its target logit), the logits partly masked (a whole row too: its max is the
+    fill value and each masked logit counts once, which any real logit of another tile or shard then outweighs)."""
+    n, t = int(rng.integers(2, 9)), int(rng.integers(1, 70))
+    logits = rng.normal(scale=20, size=(n, t)).astype(np.float32)
+    fill = np.finfo(np.float32).min
+    logits[rng.random((n, t)) < 0.3] = fill
+    target = rng.integers(0, t, n)  # each row's target column, a kept logit, or none (-1)
+    target[rng.random(n) < 0.3] = -1
+    logits[target >= 0, target[target >= 0]] = rng.normal(scale=20, size=(target >= 0).sum())
+    picked = np.where(np.arange(t) == target[:, None], logits, 0).astype(np.float32)
+    logits[0], picked[0] = fill, 0
+    high, total, target_logit = jax.jit(stats)(jnp.asarray(logits), jnp.asarray(picked))
+    x = logits.astype(np.float64)
+    want_high = x.max(axis=1)
+    want_total = np.exp(x - want_high[:, None]).sum(axis=1)
+    np.testing.assert_array_equal(high, want_high.astype(np.float32))
+    np.testing.assert_allclose(total, want_total, rtol=1e-5)
+    np.testing.assert_allclose(target_logit, picked.astype(np.float64).sum(axis=1), rtol=1e-5, atol=1e-3)

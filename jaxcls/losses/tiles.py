@@ -172,7 +172,7 @@ def online_stats(e_n, targets, n_tiles: int, tile_at: TileFn, margin: CombinedMa
         w_tile, valid, first, owned = tile_at(i)
         logits, rel = tile_logits(e_n, w_tile, targets, valid, first, owned, margin)
         picked = jnp.where(lax.broadcasted_iota(jnp.int32, logits.shape, 1) == rel[:, None], logits, 0.0)
-        return _merge(carry, _tile_stats(logits, picked)), None
+        return _merge(carry, tile_stats(logits, picked)), None
 
     zeros = jnp.zeros_like(e_n[:, 0], jnp.float32)  # zeros_like keeps e_n's varying mesh axes
     init = (zeros + masked_fill_value(jnp.float32), zeros, zeros)
@@ -185,12 +185,24 @@ def _merge(a, b):
     return high, a[1] * jnp.exp(a[0] - high) + b[1] * jnp.exp(b[0] - high), a[2] + b[2]
 
 
-def _tile_stats(logits, picked):
-    """``(max, Σ exp(x − max), Σ picked)`` over each row of ``logits`` ``[N, T]``, in one read of it (a variadic
-    reduction: each logit enters as the statistics of itself alone)."""
+def tile_stats(logits, picked):
+    """``(max, Σ exp(x − max), Σ picked)`` ``[N]`` over each row of ``logits`` ``[N, T]`` float32. Beyond CPUs in one
+    read of the logits (``stats_in_one_read``); XLA:CPU runs that ~2× slower than separate reductions
+    (``benchmarks/loss.py --cpu``), so there it gets those."""
+    return lax.platform_dependent(logits, picked, cpu=stats_in_separate_reads, default=stats_in_one_read)
+
+
+def stats_in_one_read(logits, picked):
+    """``tile_stats`` as one variadic reduction, each logit entering as the statistics of itself alone."""
     zero = jnp.zeros((), jnp.float32)
     return lax.reduce((logits, jnp.ones_like(logits), picked), (masked_fill_value(jnp.float32), zero, zero),
                       lambda a, b: _merge(a, b), (1,))
+
+
+def stats_in_separate_reads(logits, picked):
+    """``tile_stats`` as three reductions, the second after the first."""
+    high = jnp.max(logits, axis=1)
+    return high, jnp.sum(jnp.exp(logits - high[:, None]), axis=1), jnp.sum(picked, axis=1)
 
 
 def tile_grads(e_n, w_tile, targets, valid, first, owned, margin: CombinedMargin, lse, g):
