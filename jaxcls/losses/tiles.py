@@ -6,9 +6,12 @@ embeddings and ``targets`` ``[N]``, each label's row on this shard or -1. The ro
 of ``T``; tile ``i`` covers local rows ``[first, first + T)`` and *owns* those from ``owned`` on (the
 last tile is shifted back to stay in bounds and overlaps its predecessor; ``tile_starts``):
 
-* ``tile_logits``: the margin logits ``[N, T]`` of one tile, non-owned and padding columns filled;
-* ``online_stats``: running max / sum of exp / target logit ``[N]`` over all tiles (one tile held at a time);
-  ``cross_entropy.combine_stats`` then makes the global log-sum-exp with one ``pmax`` and two ``psum``;
+* ``tile_logits``: the margin logits ``[N, T]`` of one tile, non-owned and padding columns filled; the rows are
+  read as stored (their products with ``e_n`` scaled by each row's ``inverse_norms``) and nothing ``[N, T]`` but
+  the cosines and logits is made, so that XLA keeps the per-row traffic low (``benchmarks/fc_bytes_per_row.py``);
+* ``online_stats``: running max / sum of exp / target logit ``[N]`` over all tiles (one tile held at a time,
+  its statistics from ``tile_stats``); ``cross_entropy.combine_stats`` then makes the global log-sum-exp with
+  one ``pmax`` and two ``psum``;
 * ``tile_grads``: given that log-sum-exp, one tile's gradients w.r.t. ``e_n`` and the tile's rows.
 
 Outside ``shard_map``: ``check_inputs`` (shapes, sharding, labels, before any work), ``validate_labels``,
