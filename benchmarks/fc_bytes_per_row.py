@@ -10,8 +10,9 @@ compiled for one H100 (``jaxcls.plan.gpu_target``) at two class counts; the byte
 sampled rows is the FC path's traffic per sampled row, whatever the backbone (a narrow IResNet-18 at 32 px here, for
 a fast compile). The floor: each sampled row read twice (statistics, then gradient) and written once, with its
 momentum read and written once: 5 KB a row in bfloat16, 10 KB in float32.
-Each row also gives the bytes per sampled row of each JAX source line's kernels (64 B or more). Compile-only: it
-counts bytes, it does not time. Needs JAX's CUDA plugin.
+Each row also gives the bytes per sampled row of each JAX source line's kernels (64 B or more). ``--loss-alone``
+counts the loss by itself instead: ``sharded_margin_loss`` forward and backward at C = 1M, N = 512 on one H100.
+Compile-only: it counts bytes, it does not time. Needs JAX's CUDA plugin.
 """
 
 from __future__ import annotations
@@ -22,9 +23,14 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only GPUs: no CUDA driver is needed, none is started
 
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
 from jaxcls.bench import print_table, write_json  # noqa: E402
 from jaxcls.config import benchmark_config  # noqa: E402
 from jaxcls.fc.sampling import sample_budget  # noqa: E402
+from jaxcls.losses import arcface, sharded_margin_loss  # noqa: E402
+from jaxcls.mesh import make_mesh  # noqa: E402
 from jaxcls.plan import gpu_target  # noqa: E402
 from jaxcls.plan.kernels import kernels  # noqa: E402
 from jaxcls.run import build  # noqa: E402
@@ -42,10 +48,29 @@ def moved_bytes(fc_dtype: str, classes: int, batch: int, model: str, input_size:
         c.model_kwargs = dict(width=8)
     run = build(c, [device], with_data=False)
     compiled = run.compile_step(run.abstract_state, gpu_target.COMPILE_OPTIONS)
+    return moved_by_line(compiled), sample_budget(run.train_step.head.rows, c.batch_size, c.sample_rate)
+
+
+def moved_by_line(compiled) -> collections.Counter:
+    """Bytes the kernels of ``compiled`` read and write, per ``"kind: operation (file:line)"`` (gpu_program.py's
+    names)."""
     by_line = collections.Counter()
-    for k in kernels(compiled.as_text()):  # "kind: operation (file:line)", as gpu_program.py names them
+    for k in kernels(compiled.as_text()):
         by_line[f"{k.kind}: {k.origin.split('/')[-1]}"] += k.moved_bytes * k.count
-    return by_line, sample_budget(run.train_step.head.rows, c.batch_size, c.sample_rate)
+    return by_line
+
+
+def loss_alone_bytes(n: int, classes: int, chunk: int | None, device) -> collections.Counter:
+    """Bytes per source line the kernels of ``value_and_grad(sharded_margin_loss)`` (ArcFace, D = 512, bfloat16, as
+    ``benchmarks/loss.py`` times it on a GPU) read and write, compiled for ``device``."""
+    mesh = make_mesh(devices=[device])
+    placed = jax.sharding.SingleDeviceSharding(device)
+    args = (jax.ShapeDtypeStruct((n, 512), jnp.bfloat16, sharding=placed),
+            jax.ShapeDtypeStruct((classes, 512), jnp.float32, sharding=placed),
+            jax.ShapeDtypeStruct((n,), jnp.int32, sharding=placed))
+    loss = lambda e, w, y: sharded_margin_loss(e, w, y, arcface(), mesh=mesh, num_classes=classes, chunk_size=chunk)
+    compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile(gpu_target.COMPILE_OPTIONS)
+    return moved_by_line(compiled)
 
 
 def main():
@@ -56,11 +81,23 @@ def main():
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--model", default="r18")
     parser.add_argument("--input-size", type=int, default=32)
+    parser.add_argument("--loss-alone", action="store_true", help="instead: the bytes of the loss alone at C = 1M, "
+                        "N = 512 (whole and in benchmarks/loss.py's chunks), and their time at 3.35 TB/s")
     parser.add_argument("--target", default="h100")
     parser.add_argument("--out", default="benchmarks/results/fc_bytes_per_row.json")
     args = parser.parse_args()
     args.classes = args.classes or ([65_536, 262_144] if args.small else [4_000_000, 16_000_000])
     device = gpu_target.gpu_devices(args.target, 1)[0]
+    if args.loss_alone:
+        rows = []
+        for chunk in (None, 131_072):
+            lines = loss_alone_bytes(512, 1 << 20, chunk, device)
+            moved = sum(lines.values())
+            rows.append({"loss": "sharded" if chunk is None else f"sharded chunk={chunk}", "N": 512, "C": 1 << 20,
+                         "moved_GiB": moved / 2**30, "ms_at_3.35_TB_per_s": moved / 3.35e12 * 1e3,
+                         "GiB_by_line": {k: v / 2**30 for k, v in lines.most_common() if v >= 2**28}})
+        print_table(rows, ["loss", "N", "C", "moved_GiB", "ms_at_3.35_TB_per_s"])
+        return write_json(args.out, rows)
     rows = []
     for fc_dtype in args.fc_dtype or list(FLOOR_KB):
         (low, low_rows), (high, high_rows) = (moved_bytes(fc_dtype, c, args.batch, args.model, args.input_size, device)
