@@ -51,7 +51,13 @@ PARTS = ("layers", "gpu_layers", "train_step", "embed")
 
 
 def lowerings(channels: int, groups: int) -> list[str]:
-    return ["platform"] + [name for name in grouped_conv.LOWERINGS if name != "shifted" or channels == groups]
+    """``"platform"`` (jaxcls's choice) and every lowering that computes this layer."""
+    return ["platform", *grouped_conv.usable(channels // groups)]
+
+
+def in_form(lowering: str):
+    """``grouped_conv.forced`` for a row's ``lowering``: ``"platform"`` forces nothing."""
+    return grouped_conv.forced(None if lowering == "platform" else lowering)
 
 
 def layer_vjp(groups: int, stride: int, padding: int):
@@ -80,7 +86,7 @@ def cpu_layers(small: bool) -> list[dict]:
         args = [jnp.asarray(rng.standard_normal(a.shape), jnp.float32)
                 for a in layer_args(4, size, channels, groups, k, stride, padding, jnp.float32)]
         for lowering in lowerings(channels, groups):
-            with grouped_conv.forced(None if lowering == "platform" else lowering):
+            with in_form(lowering):
                 step = jax.jit(layer_vjp(groups, stride, padding)).lower(*args).compile()
             slow = lowering == "xla" and channels != groups  # ~7 s a call
             ms = time_ms(step, *args, warmup=1, iters=2 if slow else 10)
@@ -100,14 +106,14 @@ def gpu_layers(target: str) -> list[dict]:
         args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed)
                 for a in layer_args(512, size, channels, groups, k, stride, padding, jnp.bfloat16)]
         for lowering in lowerings(channels, groups):
-            with grouped_conv.forced(None if lowering == "platform" else lowering):
+            with in_form(lowering):
                 compiled = jax.jit(layer_vjp(groups, stride, padding)).lower(*args).compile(
                     gpu_target.COMPILE_OPTIONS)
             found = kernels(compiled.as_text())
             out = args[2].shape[1]  # forward and both gradients: 3 × 2 FLOPs per multiply-add of the forward
-            dense = (lowering == "block_diagonal" or grouped_conv.choose("cuda", groups, channels // groups)
-                     == "block_diagonal" and lowering == "platform")
-            gflop = 6 * 512 * out * out * k * k * (channels // groups) * channels * (groups if dense else 1) / 1e9
+            form = grouped_conv.choose("cuda", groups, channels // groups) if lowering == "platform" else lowering
+            gflop = (6 * 512 * out * out * k * k * (channels // groups) * channels
+                     * (groups if form == "block_diagonal" else 1) / 1e9)
             convs = sorted({k.detail.replace("__cudnn$", "") for k in found if k.kind == "cuDNN convolution"})
             rows.append({"layer": name, "count": count, "lowering": lowering, "batch": 512, "dtype": "bfloat16",
                          "kernels": len(found), "cudnn_convolutions": sum(k.kind == "cuDNN convolution" for k in found),
@@ -121,7 +127,7 @@ def gpu_layers(target: str) -> list[dict]:
 def train_step_row(lowering: str) -> dict:
     config = benchmark_config(model="mbf", batch_size=4, num_classes=1000, precision="float32",
                               fc_dtype="float32", sample_rate=1.0)
-    with grouped_conv.forced(None if lowering == "platform" else lowering):
+    with in_form(lowering):
         row = time_train_step(config, steps=3, warmup=1, devices=jax.devices()[:1])
     return {"lowering": lowering, **row}
 
@@ -132,13 +138,10 @@ def embed_row(lowering: str, batch: int, batches: int, rss_cap_gb: float) -> dic
     from jaxcls.interop.inference import Embedder
     from jaxcls.models import create, get_model
 
-    stopped = []
-
     def watch():  # this process's resident memory, read 20 times a second
         while True:
             rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
             if rss > rss_cap_gb:
-                stopped.append(rss)
                 print(f'{{"lowering": "{lowering}", "batch": {batch}, "devices": {jax.device_count()}, '
                       f'"stopped_at_rss_GB": {rss:.2f}, "after_s": {time.perf_counter() - start:.1f}}}', flush=True)
                 os._exit(0)
@@ -152,7 +155,7 @@ def embed_row(lowering: str, batch: int, batches: int, rss_cap_gb: float) -> dic
         start = time.perf_counter()
         threading.Thread(target=watch, daemon=True).start()
         times = []
-        with grouped_conv.forced(None if lowering == "platform" else lowering):
+        with in_form(lowering):
             for _ in range(batches):
                 began = time.perf_counter()
                 embedder(images)

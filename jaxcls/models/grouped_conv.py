@@ -38,6 +38,11 @@ NHWC = ("NHWC", "HWIO", "NHWC")
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("grouped_conv_lowering", default=None)
 
 
+def usable(in_per_group: int) -> tuple[str, ...]:
+    """The lowerings that compute a grouped convolution of ``in_per_group`` input channels per group."""
+    return LOWERINGS if in_per_group == 1 else tuple(name for name in LOWERINGS if name != "shifted")
+
+
 def choose(platform: str, groups: int, in_per_group: int) -> str:
     """The lowering of a convolution of ``groups`` groups of ``in_per_group`` input channels on ``platform``
     (``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``)."""
@@ -70,10 +75,12 @@ def conv_general_dilated(lhs, rhs, window_strides: Sequence[int], padding, lhs_d
     xla = partial(lax.conv_general_dilated, lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
                   dimension_numbers, feature_group_count, precision=precision,
                   preferred_element_type=preferred_element_type, **kwargs)
-    nhwc = lax.conv_dimension_numbers(lhs.shape, rhs.shape, NHWC)
+    if feature_group_count == 1:  # every ungrouped convolution, at once
+        return xla()
     undilated = all(d in (None, 1) for d in (*(lhs_dilation or ()), *(rhs_dilation or ())))
-    if (feature_group_count == 1 or isinstance(padding, str) or not undilated or any(kwargs.values())
-            or lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers) != nhwc):
+    if (isinstance(padding, str) or not undilated or any(kwargs.values())
+            or lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
+            != lax.conv_dimension_numbers(lhs.shape, rhs.shape, NHWC)):
         return xla()
     groups, in_per_group = feature_group_count, rhs.shape[2]
     out_dtype = preferred_element_type or lhs.dtype
@@ -85,8 +92,8 @@ def conv_general_dilated(lhs, rhs, window_strides: Sequence[int], padding, lhs_d
         "shifted": lambda x, w: shifted_depthwise(x, w, window_strides, padding).astype(out_dtype),
     }
     if (lowering := _forced.get()) is not None:
-        if lowering == "shifted" and in_per_group != 1:
-            raise ValueError(f"the shifted lowering is for depthwise convolutions (one input channel per group); "
+        if lowering not in usable(in_per_group):
+            raise ValueError(f"the {lowering} lowering is for depthwise convolutions (one input channel per group); "
                              f"this one has {in_per_group} per group")
         return forms[lowering](lhs, rhs)
     by_platform = {p: forms[choose(p, groups, in_per_group)] for p in ("cpu", "cuda", "rocm")}
