@@ -10,7 +10,8 @@ compiled for one H100 (``jaxcls.plan.gpu_target``) at two class counts; the byte
 sampled rows is the FC path's traffic per sampled row, whatever the backbone (a narrow IResNet-18 at 32 px here, for
 a fast compile). The floor: each sampled row read twice (statistics, then gradient) and written once, with its
 momentum read and written once: 5 KB a row in bfloat16, 10 KB in float32.
-Each row also gives the bytes per sampled row of each JAX source line's kernels (64 B or more). ``--loss-alone``
+Each row also gives the bytes per sampled row of each JAX source line's kernels (64 B or more;
+``jaxcls.plan.kernels.moved_by_origin``, a gradient's lines marked backward). ``--loss-alone``
 counts the loss by itself instead: ``sharded_margin_loss`` forward and backward at C = 1M, N = 512 on one H100.
 Compile-only: it counts bytes, it does not time. Needs JAX's CUDA plugin.
 """
@@ -32,7 +33,7 @@ from jaxcls.fc.sampling import sample_budget  # noqa: E402
 from jaxcls.losses import arcface, sharded_margin_loss  # noqa: E402
 from jaxcls.mesh import make_mesh  # noqa: E402
 from jaxcls.plan import gpu_target  # noqa: E402
-from jaxcls.plan.kernels import kernels  # noqa: E402
+from jaxcls.plan.kernels import kernels, moved_by_origin  # noqa: E402
 from jaxcls.run import build  # noqa: E402
 
 FLOOR_KB = {"bfloat16": 5.0, "float32": 10.0}  # (2 reads + 1 write of the weight row + momentum read and write) / 1024
@@ -48,16 +49,8 @@ def moved_bytes(fc_dtype: str, classes: int, batch: int, model: str, input_size:
         c.model_kwargs = dict(width=8)
     run = build(c, [device], with_data=False)
     compiled = run.compile_step(run.abstract_state, gpu_target.COMPILE_OPTIONS)
-    return moved_by_line(compiled), sample_budget(run.train_step.head.rows, c.batch_size, c.sample_rate)
-
-
-def moved_by_line(compiled) -> collections.Counter:
-    """Bytes the kernels of ``compiled`` read and write, per ``"kind: operation (file:line)"`` (gpu_program.py's
-    names)."""
-    by_line = collections.Counter()
-    for k in kernels(compiled.as_text()):
-        by_line[f"{k.kind}: {k.origin.split('/')[-1]}"] += k.moved_bytes * k.count
-    return by_line
+    rows = sample_budget(run.train_step.head.rows, c.batch_size, c.sample_rate)
+    return moved_by_origin(kernels(compiled.as_text())), rows
 
 
 def loss_alone_bytes(n: int, classes: int, chunk: int | None, device) -> collections.Counter:
@@ -70,7 +63,7 @@ def loss_alone_bytes(n: int, classes: int, chunk: int | None, device) -> collect
             jax.ShapeDtypeStruct((n,), jnp.int32, sharding=placed))
     loss = lambda e, w, y: sharded_margin_loss(e, w, y, arcface(), mesh=mesh, num_classes=classes, chunk_size=chunk)
     compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile(gpu_target.COMPILE_OPTIONS)
-    return moved_by_line(compiled)
+    return moved_by_origin(kernels(compiled.as_text()))
 
 
 def main():

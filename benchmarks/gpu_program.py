@@ -26,7 +26,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only GPUs: no CUDA driv
 from jaxcls.bench import plain_model, plain_program, print_table, write_json  # noqa: E402
 from jaxcls.config import benchmark_config  # noqa: E402
 from jaxcls.plan import gpu_target  # noqa: E402
-from jaxcls.plan.kernels import KERNEL_KINDS, kernels  # noqa: E402
+from jaxcls.plan.kernels import KERNEL_KINDS, kernels, moved_by_origin  # noqa: E402
 from jaxcls.run import build  # noqa: E402
 
 
@@ -43,19 +43,17 @@ def summary(compiled) -> tuple[list[dict], list]:
     """Per kind: kernels per step, their result MiB and the GiB they read and write; every float32 kernel result
     of 1 MiB or more; and the JAX source lines whose kernels move the most bytes."""
     found = kernels(compiled.as_text())
-    counts, sizes, moved, by_line = (collections.Counter() for _ in range(4))
+    counts, sizes, moved = (collections.Counter() for _ in range(3))
     for k in found:
         counts[k.kind] += k.count
         sizes[k.kind] += k.result_bytes * k.count
         moved[k.kind] += k.moved_bytes * k.count
-        backward = "backward " if "transpose(" in k.origin else ""  # JAX names a gradient's ops transpose(…)
-        by_line[f"{k.kind}: {backward}{k.origin.split('/')[-1]}"] += k.moved_bytes * k.count
     conv = collections.Counter(f"{k.dtype} {k.detail}" for k in found if k.kind == "cuDNN convolution")
     rows = [{"kind": kind, "kernels": counts[kind], "result_MiB": sizes[kind] / 2**20,
              "moved_GiB": moved[kind] / 2**30} for kind in KERNEL_KINDS]
     float32 = sorted(((k.name, k.result_bytes * k.count / 2**20) for k in found
                       if k.dtype == "f32" and k.result_bytes >= 2**20), key=lambda x: -x[1])
-    return rows, [conv, float32, by_line.most_common(12)]
+    return rows, [conv, float32, moved_by_origin(found).most_common(12)]
 
 
 def main():

@@ -8,7 +8,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxcls import make_mesh
 from jaxcls.plan.hlo import Collective, collectives, cross_host_bytes
-from jaxcls.plan.kernels import kernels
+from jaxcls.plan.kernels import Kernel, kernels, moved_by_origin
 
 HLO = """
   %ag = f32[64,32]{1,0} all-gather(f32[16,32]{1,0} %x), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}
@@ -143,3 +143,11 @@ ENTRY %main (a: bf16[64,8], t: f32[1000,8], i: s32[4,1], u: f32[4,8]) -> (f32[1,
 def test_fusions_count_what_their_slices_take_and_what_they_scatter_in_place():
     moved = {k.name: k.moved_bytes for k in kernels(FUSED)}
     assert moved == {"first": 8 * 2 + 8 * 4, "update": 4 * 4 + 4 * 8 * 4 + 4 * 8 * 4}, moved
+
+
+def test_moved_bytes_add_up_per_kind_and_source_line_with_gradients_marked():
+    found = [Kernel("fusion", "a", "f32", 8, 3, moved_bytes=100, origin="jit(f)/while/body/mul (tiles.py:9)"),
+             Kernel("fusion", "b", "f32", 8, 1, moved_bytes=50, origin="jit(f)/while/body/mul (tiles.py:9)"),
+             Kernel("GEMM", "c", "bf16", 8, 2, moved_bytes=10,
+                    origin="jit(f)/transpose(jvp())/dot_general (tiles.py:9)")]
+    assert moved_by_origin(found) == {"fusion: mul (tiles.py:9)": 350, "GEMM: backward dot_general (tiles.py:9)": 20}

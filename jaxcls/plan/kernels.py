@@ -187,3 +187,13 @@ def kernels(hlo_text: str) -> list[Kernel]:
             found.append(Kernel(_kernel_kind(op, name, line), name, dtype, size, executions.get(computation, 1),
                                 detail, moved, origin.get(name, "")))
     return found
+
+
+def moved_by_origin(found: list[Kernel]) -> collections.Counter:
+    """Bytes that the kernels ``found`` read and write per step, by ``"kind: [backward ]operation (file:line)"`` (a
+    gradient's kernels are those whose JAX operation is named ``transpose(…)``)."""
+    by_origin = collections.Counter()
+    for k in found:
+        backward = "backward " if "transpose(" in k.origin else ""
+        by_origin[f"{k.kind}: {backward}{k.origin.split('/')[-1]}"] += k.moved_bytes * k.count
+    return by_origin
