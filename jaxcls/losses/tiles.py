@@ -199,7 +199,7 @@ def stats_in_one_read(logits, picked):
     """``tile_stats`` as one variadic reduction, each logit entering as the statistics of itself alone."""
     zero = jnp.zeros((), jnp.float32)
     return lax.reduce((logits, jnp.ones_like(logits), picked), (masked_fill_value(jnp.float32), zero, zero),
-                      lambda a, b: _merge(a, b), (1,))
+                      _merge, (1,))
 
 
 def stats_in_separate_reads(logits, picked):
