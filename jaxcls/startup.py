@@ -48,18 +48,27 @@ def not_a_failed_initialize(record: logging.LogRecord) -> bool:
 
 
 @contextlib.contextmanager
-def stderr_without_plugin_noise():
-    """File descriptor 2 captured meanwhile, then written back without the plugin's noise."""
+def stderr_into(file):
+    """File descriptor 2 (where C++ libraries write, past ``sys.stderr``) into the open ``file`` meanwhile."""
     sys.stderr.flush()
     saved = os.dup(2)
+    os.dup2(file.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+@contextlib.contextmanager
+def stderr_without_plugin_noise():
+    """File descriptor 2 captured meanwhile, then written back without the plugin's noise."""
     with tempfile.TemporaryFile() as captured:
-        os.dup2(captured.fileno(), 2)
         try:
-            yield
+            with stderr_into(captured):
+                yield
         finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
             captured.seek(0)
             with open(2, "wb", closefd=False) as stderr:
                 stderr.write(without_plugin_noise(captured.read().decode(errors="surrogateescape")).encode(

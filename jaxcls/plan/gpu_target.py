@@ -22,7 +22,7 @@ from pathlib import Path
 import jax
 from jax.experimental import topologies  # compile-only devices: no stable path exists yet
 
-from jaxcls.startup import PLUGINS, plugin_installed
+from jaxcls.startup import PLUGINS, plugin_installed, stderr_into
 
 TARGETS = {"h100": "h100.txtpb", "h200": "h200.txtpb", "a100-80gb": "a100-80gb.txtpb"}
 SPECS = Path(__file__).parent / "gpu_targets"
@@ -80,19 +80,6 @@ def device_memory(name: str) -> int:
     return int(re.search(r"device_memory_size:\s*(\d+)", target_config(name)).group(1))
 
 
-@contextlib.contextmanager
-def _stderr_into(path: str):
-    """File descriptor 2 into ``path``: the plugin reports why a proto does not parse only in its C++ log."""
-    saved = os.dup(2)
-    try:
-        with open(path, "w") as log:
-            os.dup2(log.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
 def _without_field(text: str, field: str) -> str:
     """``text`` without every ``field: value`` line and ``field { … }`` block."""
     text = re.sub(rf"(?m)^[ \t]*{field}:.*\n", "", text)
@@ -113,8 +100,8 @@ def gpu_devices(name: str, count: int, per_host: int = GPUS_PER_HOST) -> list:
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "log")
         while True:
-            try:
-                with _stderr_into(log):
+            try:  # the plugin says why a proto does not parse only in its C++ log, on descriptor 2
+                with open(log, "w") as file, stderr_into(file):
                     topology = topologies.get_topology_desc(
                         platform="cuda", target_config=text, topology=f"1x{hosts}x{per_host}")
                 return list(topology.devices)
