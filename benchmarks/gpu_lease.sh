@@ -8,7 +8,8 @@
 # Job forms: `train:KEY=VALUE ... [--set KEY=VALUE ...]` (benchmarks/step_throughput.py --only each pair, other
 # arguments as they are), `torch:NETWORK BATCH [CLASSES] [ARGS]` (arcface_torch's step from .gpudata/bench: PartialFC
 # 0.1 with fp16 as train_v2.py runs it, CLASSES default 1000000, ARGS e.g. --compile or --max-classes), `py:SCRIPT
-# ARGS` (any benchmark script), `sh:COMMAND`. Each job's exit status is logged (124: past its time limit).
+# ARGS` (a script of benchmarks/, its --out in the results), `sh:COMMAND`. Each job's exit status is logged (124:
+# past its time limit).
 # JOB_LIMIT (seconds, default 300) bounds each job. Carry two git-ignored folders with the call:
 #   .whl      jaxcls's dependencies the GPU image lacks, as cp312 wheels: `pip download --no-deps --only-binary=:all:
 #             --python-version 3.12 --platform manylinux2014_x86_64 --platform any -d .whl ml_collections
@@ -41,7 +42,7 @@ for job in "$@"; do
            timeout "${JOB_LIMIT:-300}" python3 .gpudata/bench/arcface_torch_bench.py \
              --network "$network" --batch "$batch" --classes "${classes:-1000000}" --sample-rate 0.1 --fp16 \
              ${extra:-} --out "$RESULTS/$name.json" ;;
-    py)    timeout "${JOB_LIMIT:-300}" python3 $spec ;;
+    py)    timeout "${JOB_LIMIT:-300}" python3 benchmarks/$spec --out "$RESULTS/$name.json" ;;
     sh)    timeout "${JOB_LIMIT:-300}" bash -c "$spec" ;;
   esac
   rc=$?  # read before anything else runs: `$(date)` below would reset $?

@@ -11,7 +11,7 @@ import pytest
 from jaxcls import make_mesh
 from jaxcls.losses import init_weight
 from jaxcls.fc.sampling import gather_rows
-from jaxcls.fc.optimizers import SparseState, adamw, decode, encode, sgd
+from jaxcls.fc.optimizers import SparseState, adamw, decode, encode, round_half_even, sgd
 from problems import draw
 
 
@@ -151,3 +151,12 @@ def test_one_byte_state_is_the_float32_momentum_rounded_to_a_scale_per_row(dtype
     zero_rows = np.all(momentum == 0, axis=1)  # stored with scale 0; they decode to zeros, not NaN
     assert np.all(np.asarray(state.slots[1])[zero_rows] == 0)
     assert np.all(np.asarray(decode(state.slots))[zero_rows] == 0)
+
+
+def test_round_half_even_is_jnp_round(rng):
+    """encode's rounding (without jnp.round, which Triton kernels lack) on ties, near-ties and random values."""
+    ties = np.arange(-254, 255) / 2
+    near = np.concatenate([np.nextafter(ties.astype(np.float32), np.float32(-np.inf)),
+                           np.nextafter(ties.astype(np.float32), np.float32(np.inf))])
+    x = np.concatenate([ties, near, rng.uniform(-127, 127, 10_000), [1e-30, -1e-30, 0.0]]).astype(np.float32)
+    np.testing.assert_array_equal(jax.jit(round_half_even)(x), np.round(x))

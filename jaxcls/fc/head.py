@@ -28,6 +28,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxcls import mesh as layout
 from jaxcls.fc.optimizers import SparseOptimizer, SparseState
+from jaxcls.fc.rows_update import update_rows
 from jaxcls.fc.sampling import ClassSample, check_sample_rate, sample_classes
 from jaxcls.losses import tiles
 from jaxcls.losses.cross_entropy import combine_stats
@@ -151,13 +152,12 @@ def _step_shard(emb, labels, weight, slots, row_classes, lr, count, keep_update,
     def backward(carry, i):
         d_e, weight, slots = carry
         index, valid, first, owned = locate(i)
-        w_tile, *s_tiles = (_from_bits(a[index], t) for a, t in zip((weight, *slots), dtypes))
-        d_e_tile, d_w_tile = tiles.tile_grads(e_n, w_tile, targets, valid, first, owned, head.margin, lse, g)
+        w_tile = _from_bits(weight[index], dtypes[0])
+        d_e_tile, *row_grad = tiles.tile_grad_parts(e_n, w_tile, targets, valid, first, owned, head.margin, lse, g)
         if with_update:  # rows the tile does not own (overlap with the previous tile) or padding stay as they are
             keep = keep_update & valid & (first + jnp.arange(tile) >= owned)
-            new_w, new_slots = head.optimizer.apply_rows(w_tile, s_tiles, d_w_tile, lr, count)
-            weight, *slots = (a.at[index].set(_to_bits(jnp.where(keep[:, None], n, o)), unique_indices=True)
-                              for a, n, o in zip((weight, *slots), (new_w, *new_slots), (w_tile, *s_tiles)))
+            rule = partial(_optimizer_step, optimizer=head.optimizer, dtypes=dtypes)
+            weight, *slots = update_rows((weight, *slots), index, tuple(row_grad), keep, rule, lr, count)
         return (d_e + d_e_tile.astype(jnp.float32), weight, tuple(slots)), None
 
     init = (jnp.zeros_like(e_n32), weight, tuple(slots))
@@ -167,6 +167,15 @@ def _step_shard(emb, labels, weight, slots, row_classes, lr, count, keep_update,
         total = lax.psum(total, layout.data_axes(class_axes))
     weight, *slots = (_from_bits(a, t) for a, t in zip((weight, *slots), dtypes))
     return total / global_batch, pull(d_e)[0], weight, tuple(slots), count
+
+
+def _optimizer_step(rows, row_grad, lr, count, *, optimizer: SparseOptimizer, dtypes):
+    """``optimizer``'s step on the stored rows ``(weight, *slots)`` (``[T, …]``, as bits on CPU) given the parts of
+    their gradient (``tiles.tile_grad_parts``) → their new values."""
+    weight, *slots = (_from_bits(r, t) for r, t in zip(rows, dtypes))
+    grads = tiles.row_gradient(weight, *row_grad).astype(weight.dtype)  # rounded as the autodiff route rounds it
+    new_weight, new_slots = optimizer.apply_rows(weight, slots, grads, lr, count)
+    return tuple(map(_to_bits, (new_weight, *new_slots)))
 
 
 def _to_bits(x):

@@ -111,8 +111,17 @@ def encode(rows: jax.Array, dtype) -> tuple:
     scale = jnp.max(jnp.abs(rows), axis=-1, keepdims=True) / top
     values = jnp.clip(rows / jnp.where(scale > 0, scale, 1.0), -top, top)
     if jnp.issubdtype(dtype, jnp.integer):
-        values = jnp.round(values)
+        values = round_half_even(values)
     return values.astype(dtype), scale
+
+
+def round_half_even(x: jax.Array) -> jax.Array:
+    """``jnp.round(x)`` (to the nearest integer, ties to even) from exact floor and compare steps: Pallas' Triton
+    kernels have no ``round``, and XLA folds the ``x + 1.5·2²³ − 1.5·2²³`` trick away."""
+    low = jnp.floor(x)
+    above = x - low  # exact
+    low_is_odd = low - 2 * jnp.floor(low / 2) != 0
+    return jnp.where((above > 0.5) | ((above == 0.5) & low_is_odd), low + 1, low)
 
 
 def decode(stored: tuple) -> jax.Array:

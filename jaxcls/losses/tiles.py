@@ -12,7 +12,8 @@ last tile is shifted back to stay in bounds and overlaps its predecessor; ``tile
 * ``online_stats``: running max / sum of exp / target logit ``[N]`` over all tiles (one tile held at a time,
   its statistics from ``tile_stats``); ``cross_entropy.combine_stats`` then makes the global log-sum-exp with
   one ``pmax`` and two ``psum``;
-* ``tile_grads``: given that log-sum-exp, one tile's gradients w.r.t. ``e_n`` and the tile's rows.
+* ``tile_grads``: given that log-sum-exp, one tile's gradients w.r.t. ``e_n`` and the tile's rows (from
+  ``tile_grad_parts``, which leaves the rows' gradient in two parts for an update to combine: ``row_gradient``).
 
 Outside ``shard_map``: ``check_inputs`` (shapes, sharding, labels, before any work), ``validate_labels``,
 ``full_row_classes`` (row ``r`` of the full weight is class ``r``) and ``l2_normalize``.
@@ -36,12 +37,15 @@ from jaxcls.mesh import check_class_axes, class_shards, padded_num_classes, row_
 TileFn = Callable[[jax.Array], tuple]
 
 
-def l2_normalize(x: jax.Array, eps: float = 1e-12) -> jax.Array:
+NORM_EPS = 1e-12  # a norm below this counts as this (the rows of padding classes are zero)
+
+
+def l2_normalize(x: jax.Array, eps: float = NORM_EPS) -> jax.Array:
     """Rows of ``x`` scaled to unit L2 norm, computed in float32."""
     return x.astype(jnp.float32) * inverse_norms(x, eps)[..., None]
 
 
-def inverse_norms(x: jax.Array, eps: float = 1e-12) -> jax.Array:
+def inverse_norms(x: jax.Array, eps: float = NORM_EPS) -> jax.Array:
     """``1 / ‖x_t‖`` of each row ``[T]`` of ``x`` ``[T, D]``, float32 (``l2_normalize``'s factors)."""
     x = x.astype(jnp.float32)
     return lax.rsqrt(jnp.maximum(jnp.sum(x * x, axis=-1), eps * eps))
@@ -154,11 +158,14 @@ def tile_logits(e_n, w_tile, targets, valid, first, owned, margin: CombinedMargi
     ``valid`` ``[T]`` marks real classes; rows before ``owned`` (overlap with the previous tile) and invalid
     ones get the fill value (exp → 0). Returns ``(logits, each target's column in the tile or -1)``.
     """
-    # the rows as stored, each cosine scaled by its row's inverse norm [T]: no normalized [T, D] copy is written.
-    # Through float32, so that the row gradient's two parts (the product's, the norm's: a projection that cancels
-    # the radial component) add in float32 and round once to the storage dtype.
+    # the rows as stored, each cosine scaled by its row's inverse norm [T]: no normalized [T, D] copy is written
     w32 = w_tile.astype(jnp.float32)
     cos = cosines(e_n, w32.astype(e_n.dtype)) * inverse_norms(w32)[None, :]
+    return _margin_logits(cos, targets, valid, first, owned, margin)
+
+
+def _margin_logits(cos, targets, valid, first, owned, margin: CombinedMargin):
+    """``tile_logits`` from the tile's cosines ``[N, T]``."""
     rel = targets - first
     rel = jnp.where((targets >= owned) & (rel >= 0) & (rel < cos.shape[1]), rel, -1)
     columns = lax.broadcasted_iota(jnp.int32, cos.shape, 1)  # within the tile: no [N, T] of global indices
@@ -211,6 +218,31 @@ def stats_in_separate_reads(logits, picked):
 def tile_grads(e_n, w_tile, targets, valid, first, owned, margin: CombinedMargin, lse, g):
     """Gradients ``(d e_n [N, D], d w_tile [T, D])`` of ``Σ_n g[n]·loss[n]`` through one tile, given the
     global log-sum-exp ``lse`` ``[N]``."""
-    tile_fn = lambda e, w: tile_logits(e, w, targets, valid, first, owned, margin)
-    logits, pullback, rel = jax.vjp(tile_fn, e_n, w_tile, has_aux=True)
-    return pullback(softmax_minus_onehot(logits, rel, lse, 0) * g[:, None])
+    d_e, product, radial = tile_grad_parts(e_n, w_tile, targets, valid, first, owned, margin, lse, g)
+    return d_e, row_gradient(w_tile, product, radial).astype(w_tile.dtype)
+
+
+def tile_grad_parts(e_n, w_tile, targets, valid, first, owned, margin: CombinedMargin, lse, g):
+    """``tile_grads`` with the rows' gradient left in two parts: ``(d e_n, product, radial)``, the gradient w.r.t.
+    the rows ``row_gradient(w_tile, product, radial)``, so that an update can form it where it reads the rows.
+
+    ``cos = (e_n · w) · r`` with ``r = 1/‖w‖``: ``∂/∂w = product − radial·w``, where ``product = (∂/∂cos · r)ᵀ e_n``
+    ``[T, D]`` (in ``e_n``'s dtype, as ``cosines`` multiplies) and ``radial = r³ Σ_n ∂/∂cos · (e_n · w)`` ``[T]``
+    float32, the derivative of the norm (a projection: the row gradient has no component along the row).
+    """
+    w32 = w_tile.astype(jnp.float32)
+    inverse = inverse_norms(w32)
+    products, pull_products = jax.vjp(cosines, e_n, w32.astype(e_n.dtype))
+    margin_fn = lambda products, inverse: _margin_logits(products * inverse[None, :], targets, valid, first, owned,
+                                                          margin)
+    logits, pull_logits, rel = jax.vjp(margin_fn, products, inverse, has_aux=True)
+    # autodiff sums each row's parts over the batch and over the mesh axes where the rows are replicated
+    d_products, d_inverse = pull_logits(softmax_minus_onehot(logits, rel, lse, 0) * g[:, None])
+    d_e, product = pull_products(d_products)
+    clamped = jnp.sum(w32 * w32, axis=-1) < NORM_EPS**2  # a row shorter than NORM_EPS: r is constant there
+    return d_e, product, jnp.where(clamped, 0.0, d_inverse * inverse**3)
+
+
+def row_gradient(rows, product, radial):
+    """The gradient w.r.t. the rows ``[T, D]`` as stored from ``tile_grad_parts``' two parts: float32."""
+    return product.astype(jnp.float32) - radial[:, None] * rows.astype(jnp.float32)

@@ -99,6 +99,16 @@ _PARTIAL_READS = ("slice", "dynamic-slice", "gather")
 _IN_PLACE = {"scatter": 2, "dynamic-update-slice": 1}  # an op that updates its operand 0 → its update's operand
 
 
+def _rows_update_moved(line: str, operands: list[str]) -> int:
+    """Bytes of ``jaxcls.fc.rows_update``'s kernel: its inputs whole, except the arrays it updates in place (those
+    its outputs alias), of which it reads and writes only the rows of its index (operand 0, ``[T]``)."""
+    aliased = {int(i) for i in re.findall(r"\{\d*\}:\s*\((\d+)", line)}
+    rows = arrays(operands[0])[0][1]
+    leading = lambda shape: int(re.search(r"\[(\d+)", shape).group(1))  # an array's rows
+    return sum(2 * rows * _bytes(shape) // leading(shape) if i in aliased else _bytes(shape)
+               for i, shape in enumerate(operands))
+
+
 def _fusion_moved(body: list[str], result_shape: str) -> int:
     """Bytes a fusion reads and writes: each parameter whole, or only what its slices and gathers take (through
     bitcasts and conversions); the result whole, or, where the fusion scatters into (or updates a slice of) a
@@ -182,8 +192,10 @@ def kernels(hlo_text: str) -> list[Kernel]:
                                                     re.search(r"dim_labels=([^,]+)", line),
                                                     re.search(r"(feature_group_count=\d+)", line)) if m)
             fused = re.search(r"calls=%?([\w.\-]+)", line) if op == "fusion" else None
+            operands = [shapes.get(o, "") for o in _operands(line, match.end())]
             moved = (_fusion_moved(bodies[fused.group(1)], shape) if fused and fused.group(1) in bodies else
-                     _bytes(shape) + sum(_bytes(shapes.get(o, "")) for o in _operands(line, match.end())))
+                     _rows_update_moved(line, operands) if 'name = "rows_update"' in line else
+                     _bytes(shape) + sum(map(_bytes, operands)))
             found.append(Kernel(_kernel_kind(op, name, line), name, dtype, size, executions.get(computation, 1),
                                 detail, moved, origin.get(name, "")))
     return found
