@@ -145,6 +145,27 @@ def test_fusions_count_what_their_slices_take_and_what_they_scatter_in_place():
     assert moved == {"first": 8 * 2 + 8 * 4, "update": 4 * 4 + 4 * 8 * 4 + 4 * 8 * 4}, moved
 
 
+ROWS_UPDATE = """
+ENTRY %main (i: u32[16], k: pred[16], g: bf16[16,8], r: f32[1], w: bf16[1000,8], m: s8[1000,8], s: f32[1000,1]) -> (bf16[1000,8], s8[1000,8], f32[1000,1]) {
+  %i = u32[16]{0} parameter(0)
+  %k = pred[16]{0} parameter(1)
+  %g = bf16[16,8]{1,0} parameter(2)
+  %r = f32[1]{0} parameter(3)
+  %w = bf16[1000,8]{1,0} parameter(4)
+  %m = s8[1000,8]{1,0} parameter(5)
+  %s = f32[1000,1]{1,0} parameter(6)
+  ROOT %p = (bf16[1000,8]{1,0}, s8[1000,8]{1,0}, f32[1000,1]{1,0}) custom-call(%i, %k, %g, %r, %w, %m, %s), custom_call_target="__gpu$xla.gpu.triton", output_to_operand_aliasing={{0}: (4, {}), {1}: (5, {}), {2}: (6, {})}, backend_config={grid_x = 2 : i32, name = "rows_update", num_warps = 4 : i32}
+}
+"""
+
+
+def test_the_rows_update_kernel_counts_its_index_rows_of_the_arrays_it_updates_in_place():
+    (kernel,) = kernels(ROWS_UPDATE)
+    inputs = 16 * 4 + 16 + 16 * 8 * 2 + 4  # index, keep, gradient part, scalar: whole
+    rows = 2 * 16 * (8 * 2 + 8 + 4)  # weight, int8 momentum and its scales: the index's rows, read and written
+    assert kernel.moved_bytes == inputs + rows, kernel
+
+
 def test_moved_bytes_add_up_per_kind_and_source_line_with_gradients_marked():
     found = [Kernel("fusion", "a", "f32", 8, 3, moved_bytes=100, origin="jit(f)/while/body/mul (tiles.py:9)"),
              Kernel("fusion", "b", "f32", 8, 1, moved_bytes=50, origin="jit(f)/while/body/mul (tiles.py:9)"),
