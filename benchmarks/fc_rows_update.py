@@ -22,19 +22,11 @@ import numpy as np
 
 from jaxcls.bench import print_table, write_json
 from jaxcls.fc import rows_update
+from jaxcls.fc.head import optimizer_rule
 from jaxcls.fc.optimizers import adamw, encode, sgd
-from jaxcls.losses.tiles import row_gradient
 
 CASES = [("sgd", "bfloat16", "bfloat16"), ("sgd", "float32", "float32"), ("sgd", "bfloat16", "int8"),
          ("adamw", "float32", "float32")]
-
-
-def rule(optimizer):
-    def step(rows, row_grad, lr, count):
-        grads = row_gradient(rows[0], *row_grad).astype(rows[0].dtype)
-        new_weight, new_slots = optimizer.apply_rows(rows[0], rows[1:], grads, lr, count)
-        return (new_weight, *new_slots)
-    return step
 
 
 def inputs(case, c, d, t, seed=0):
@@ -52,7 +44,7 @@ def inputs(case, c, d, t, seed=0):
 def stepper(form, optimizer):
     def step(arrays, index, row_grad, keep):
         with rows_update.forced(form):
-            return rows_update.update_rows(arrays, index, row_grad, keep, rule(optimizer), jnp.float32(0.1),
+            return rows_update.update_rows(arrays, index, row_grad, keep, optimizer_rule(optimizer), jnp.float32(0.1),
                                            jnp.int32(3))
     return jax.jit(step, donate_argnums=0)
 

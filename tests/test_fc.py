@@ -10,6 +10,7 @@ import pytest
 from jaxcls import batch_sharding, class_shards, make_mesh
 from jaxcls.plan.hlo import collectives
 from jaxcls.fc import FCHead
+from jaxcls.fc import head as fc_head
 from jaxcls.losses import sharded_margin_loss
 from jaxcls.fc.sampling import gather_rows
 from jaxcls.fc.optimizers import SparseState, adamw, decode, encode, sgd
@@ -128,9 +129,15 @@ def test_bad_label_under_jit_gives_nan_and_leaves_the_fc_untouched(rng):
         head.step(weight, state, emb, jax.device_put(bad, labels.sharding), sample, 0.1)
 
 
+# where 16- and 8-bit float rows are stored as themselves (GPUs) and where as raw bits (CPUs: jaxcls.fc.head)
+STORAGE = pytest.mark.parametrize("as_bits", [False, True], ids=["as floats (GPU)", "as bits (CPU)"])
+
+
 @pytest.mark.slow
+@STORAGE
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_compact_storage_matches_the_autodiff_route(dtype, rng):
+def test_compact_storage_matches_the_autodiff_route(dtype, as_bits, rng, monkeypatch):
+    monkeypatch.setattr(fc_head, "stores_bits", lambda mesh: as_bits)
     head, weight, state, emb, labels, sample = setup(rng, (2, 4), ("data", "class"), 0.3, 6, "sgd", dtype=dtype)
     loss, _, new_w, new_state = run(head, weight, state, emb, labels, sample, 0.1)
     assert new_w.dtype == dtype and new_state.slots[0].dtype == dtype
@@ -143,8 +150,10 @@ def test_compact_storage_matches_the_autodiff_route(dtype, rng):
     np.testing.assert_allclose(np.asarray(new_w, np.float32), np.asarray(ref_w, np.float32), rtol=ulp, atol=1e-6)
 
 
+@STORAGE
 @pytest.mark.parametrize("state_dtype", [jnp.int8, jnp.float8_e4m3fn])
-def test_one_byte_state_matches_the_autodiff_route(state_dtype, rng):
+def test_one_byte_state_matches_the_autodiff_route(state_dtype, as_bits, rng, monkeypatch):
+    monkeypatch.setattr(fc_head, "stores_bits", lambda mesh: as_bits)
     head, weight, _, emb, labels, sample = setup(rng, (2, 4), ("data", "class"), 0.4, 5)
     head = dataclasses.replace(head, optimizer=sgd(state_dtype=state_dtype))
     real = np.arange(head.rows)[:, None] < head.num_classes

@@ -133,7 +133,8 @@ def _step_shard(emb, labels, weight, slots, row_classes, lr, count, keep_update,
     # On CPU 16- and 8-bit float rows move as raw bits: XLA:CPU cannot scatter into a bfloat16/float16 array in
     # place and would convert the whole array to float32 (and back) on every tile. GPUs scatter 16-bit floats natively.
     dtypes = (weight.dtype, *(s.dtype for s in slots))
-    if head.mesh.devices.flat[0].platform == "cpu":
+    as_bits = stores_bits(head.mesh)
+    if as_bits:
         weight, *slots = map(_to_bits, (weight, *slots))
 
     def tile_at(i):
@@ -156,7 +157,7 @@ def _step_shard(emb, labels, weight, slots, row_classes, lr, count, keep_update,
         d_e_tile, *row_grad = tiles.tile_grad_parts(e_n, w_tile, targets, valid, first, owned, head.margin, lse, g)
         if with_update:  # rows the tile does not own (overlap with the previous tile) or padding stay as they are
             keep = keep_update & valid & (first + jnp.arange(tile) >= owned)
-            rule = partial(_optimizer_step, optimizer=head.optimizer, dtypes=dtypes)
+            rule = optimizer_rule(head.optimizer, dtypes if as_bits else None)
             weight, *slots = update_rows((weight, *slots), index, tuple(row_grad), keep, rule, lr, count)
         return (d_e + d_e_tile.astype(jnp.float32), weight, tuple(slots)), None
 
@@ -169,13 +170,24 @@ def _step_shard(emb, labels, weight, slots, row_classes, lr, count, keep_update,
     return total / global_batch, pull(d_e)[0], weight, tuple(slots), count
 
 
-def _optimizer_step(rows, row_grad, lr, count, *, optimizer: SparseOptimizer, dtypes):
-    """``optimizer``'s step on the stored rows ``(weight, *slots)`` (``[T, …]``, as bits on CPU) given the parts of
-    their gradient (``tiles.tile_grad_parts``) → their new values."""
-    weight, *slots = (_from_bits(r, t) for r, t in zip(rows, dtypes))
-    grads = tiles.row_gradient(weight, *row_grad).astype(weight.dtype)  # rounded as the autodiff route rounds it
-    new_weight, new_slots = optimizer.apply_rows(weight, slots, grads, lr, count)
-    return tuple(map(_to_bits, (new_weight, *new_slots)))
+def stores_bits(mesh: Mesh) -> bool:
+    """Whether the step keeps 16- and 8-bit float rows as raw bits (on CPU: see ``_step_shard``)."""
+    return mesh.devices.flat[0].platform == "cpu"
+
+
+def optimizer_rule(optimizer: SparseOptimizer, dtypes: tuple | None = None):
+    """``rows_update.update_rows``' rule for ``optimizer``: ``(rows, (product, radial), lr, count)`` → new rows, where
+    ``rows`` are the weight's and the slots' ``[T, …]`` as stored (as raw bits where ``dtypes`` names their dtypes,
+    on CPU). The rows' gradient is formed from ``tiles.tile_grad_parts``' two parts and rounded to the weight's dtype
+    as the autodiff route rounds it."""
+
+    def rule(rows, row_grad, lr, count):
+        weight, *slots = rows if dtypes is None else (_from_bits(r, t) for r, t in zip(rows, dtypes))
+        grads = tiles.row_gradient(weight, *row_grad).astype(weight.dtype)
+        new_weight, new_slots = optimizer.apply_rows(weight, slots, grads, lr, count)
+        return (new_weight, *new_slots) if dtypes is None else tuple(map(_to_bits, (new_weight, *new_slots)))
+
+    return rule
 
 
 def _to_bits(x):

@@ -19,8 +19,6 @@ platform (outside ``shard_map`` only), which is how the tests hold it to XLA's f
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from collections.abc import Callable
 from functools import partial
 
@@ -30,25 +28,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pallas_triton
 
+from jaxcls.registry import Forms
+
 FORMS = ("xla", "pallas", "pallas_interpret")
 BLOCK_ROWS = 8  # rows per kernel program: with D = 512 and float32 AdamW, five [8, 512] arrays fit in registers
-_forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("rows_update_form", default=None)
+_FORM = Forms("rows-update form", FORMS)
+forced = _FORM.forced  # forced(form): within the block, trace every update_rows in that form (None: by platform)
 
 # A rule maps (rows: tuple of [B, ...] arrays as stored, inputs: tuple of [B, ...] arrays, *scalars) to the new
 # rows, as stored.
 Rule = Callable[..., tuple]
-
-
-@contextlib.contextmanager
-def forced(form: str):
-    """Trace every ``update_rows`` inside with ``form`` (one of ``FORMS``)."""
-    if form not in FORMS:
-        raise ValueError(f"unknown rows-update form {form!r}; choose one of {', '.join(FORMS)}")
-    token = _forced.set(form)
-    try:
-        yield
-    finally:
-        _forced.reset(token)
 
 
 def update_rows(arrays: tuple, index: jax.Array, inputs: tuple, keep: jax.Array, rule: Rule, *scalars) -> tuple:
@@ -58,7 +47,7 @@ def update_rows(arrays: tuple, index: jax.Array, inputs: tuple, keep: jax.Array,
     ``inputs``: arrays ``[T]`` or ``[T, D]``, row ``t`` going with ``index[t]``; ``scalars``: 0-d arrays the rule
     needs (a learning rate, a step count). Donate ``arrays`` to the enclosing jit to update them in place.
     """
-    form = _forced.get()
+    form = _FORM.current()
     if form == "xla" or not _fits_a_block(arrays + inputs):
         return _xla_form(arrays, index, inputs, keep, *scalars, rule=rule)
     if form is not None:

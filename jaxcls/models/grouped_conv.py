@@ -24,18 +24,19 @@ Under ``jit`` the choice is staged with ``lax.platform_dependent``, so each plat
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from collections.abc import Sequence
 from functools import partial
 
 import jax.numpy as jnp
 from jax import lax
 
+from jaxcls.registry import Forms
+
 LOWERINGS = ("xla", "block_diagonal", "shifted")
 NHWC = ("NHWC", "HWIO", "NHWC")
 
-_forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("grouped_conv_lowering", default=None)
+_LOWERING = Forms("grouped-convolution lowering", LOWERINGS)
+forced = _LOWERING.forced  # forced(lowering): trace every grouped convolution in the block so (None: by platform)
 
 
 def usable(in_per_group: int) -> tuple[str, ...]:
@@ -51,20 +52,6 @@ def choose(platform: str, groups: int, in_per_group: int) -> str:
     if in_per_group > 1:
         return "block_diagonal"
     return "shifted" if platform == "cpu" else "xla"
-
-
-@contextlib.contextmanager
-def forced(lowering: str | None):
-    """Within the block, trace every grouped convolution as ``lowering`` (``LOWERINGS``; None: by platform).
-
-    It acts when a function is traced: a ``jit`` traced before (and cached) keeps the form it was traced with."""
-    if lowering is not None and lowering not in LOWERINGS:
-        raise ValueError(f"unknown grouped-convolution lowering {lowering!r}: expected one of {', '.join(LOWERINGS)}")
-    token = _forced.set(lowering)
-    try:
-        yield
-    finally:
-        _forced.reset(token)
 
 
 def conv_general_dilated(lhs, rhs, window_strides: Sequence[int], padding, lhs_dilation=None, rhs_dilation=None,
@@ -91,7 +78,7 @@ def conv_general_dilated(lhs, rhs, window_strides: Sequence[int], padding, lhs_d
             preferred_element_type=preferred_element_type),
         "shifted": lambda x, w: shifted_depthwise(x, w, window_strides, padding).astype(out_dtype),
     }
-    if (lowering := _forced.get()) is not None:
+    if (lowering := _LOWERING.current()) is not None:
         if lowering not in usable(in_per_group):
             raise ValueError(f"the {lowering} lowering is for depthwise convolutions (one input channel per group); "
                              f"this one has {in_per_group} per group")
