@@ -98,6 +98,16 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, REPLICATED)
 
 
+def varying_like(x, shape=None, dtype=None) -> jax.ShapeDtypeStruct:
+    """``shape`` and ``dtype`` (default ``x``'s) varying, inside ``shard_map``, over the mesh axes ``x`` varies over:
+    what a Pallas call's ``out_shape`` needs there (JAX 0.10 names those axes ``manual_axis_type``, earlier ones
+    ``vma``)."""
+    aval, shape, dtype = jax.typeof(x), x.shape if shape is None else shape, x.dtype if dtype is None else dtype
+    if hasattr(aval, "manual_axis_type"):
+        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=aval.manual_axis_type)
+    return jax.ShapeDtypeStruct(shape, dtype, vma=aval.vma)
+
+
 def host_rows(mesh: Mesh, global_batch: int) -> tuple[int, int]:
     """``(start, stop)``: the rows of a global batch that this process's devices hold in the batch sharding.
 

@@ -47,7 +47,10 @@ def dense_logits(e_n, weight, valid, targets, margin):
 @pytest.mark.parametrize("margin", ["arcface", "cosface", "combined"])
 def test_online_stats_equal_dense_logsumexp(margin, tile, rng):
     e_n, weight, valid, targets, tile_at, n_tiles = tile_walk(rng, tile)
-    row_max, row_sum, target = jax.jit(lambda e: tiles.online_stats(e, targets, n_tiles, tile_at, MARGINS[margin]))(e_n)
+    def stats_at(e, i):
+        w_tile, v_tile, first, owned = tile_at(i)
+        return tiles.tile_statistics(e, w_tile, targets, v_tile, first, owned, MARGINS[margin])
+    row_max, row_sum, target = jax.jit(lambda e: tiles.online_stats(e, n_tiles, lambda i: stats_at(e, i)))(e_n)
     logits, ref_target = dense_logits(e_n, weight, valid, targets, MARGINS[margin])
     ref_lse = np.log(np.sum(np.exp(logits - logits.max(1, keepdims=True)), 1)) + logits.max(1)
     assert rel_err(row_max + np.log(row_sum), ref_lse) < 1e-5

@@ -28,6 +28,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxcls import mesh as layout
 from jaxcls.fc.optimizers import SparseOptimizer, SparseState
+from jaxcls.fc.rows_stats import tile_statistics_by_index
 from jaxcls.fc.rows_update import update_rows
 from jaxcls.fc.sampling import ClassSample, check_sample_rate, sample_classes
 from jaxcls.losses import tiles
@@ -137,12 +138,13 @@ def _step_shard(emb, labels, weight, slots, row_classes, lr, count, keep_update,
     if as_bits:
         weight, *slots = map(_to_bits, (weight, *slots))
 
-    def tile_at(i):
+    def stats_at(i):
         index, valid, first, owned = locate(i)
-        return _from_bits(weight[index], dtypes[0]), valid, first, owned
+        gathered = lambda: _from_bits(weight[index], dtypes[0])
+        return tile_statistics_by_index(weight, index, valid, first, owned, e_n, targets, head.margin, gathered)
 
     n_tiles = tiles.num_tiles(num_rows, tile)
-    lse, losses = combine_stats(*tiles.online_stats(e_n, targets, n_tiles, tile_at, head.margin), class_axes)
+    lse, losses = combine_stats(*tiles.online_stats(e_n, n_tiles, stats_at), class_axes)
     g = jnp.full_like(lse, 1.0 / global_batch)
     # a non-finite embedding or loss never reaches the rows (the caller sees the loss non-finite); every shard
     # decides alike (replicas of the rows over data axes hold other samples)

@@ -28,6 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pallas_triton
 
+from jaxcls.mesh import varying_like
 from jaxcls.registry import Forms
 
 FORMS = ("xla", "pallas", "pallas_interpret")
@@ -85,20 +86,11 @@ def _pallas_form(arrays, index, inputs, keep, *scalars, rule, interpret: bool):
         in_specs=[by_block(index.shape), by_block(keep.shape), *(by_block(x.shape) for x in inputs),
                   *(whole(s.shape) for s in scalars), *(whole(a.shape) for a in arrays)],
         out_specs=[whole(a.shape) for a in arrays],
-        out_shape=[_shape_of(a) for a in arrays],
+        out_shape=[varying_like(a) for a in arrays],
         input_output_aliases={first_array + i: i for i in range(len(arrays))},
         interpret=interpret, name="rows_update",
         compiler_params=None if interpret else pallas_triton.CompilerParams(num_warps=4, num_stages=1),
     )(index, keep, *inputs, *scalars, *arrays))
-
-
-def _shape_of(x) -> jax.ShapeDtypeStruct:
-    """``x``'s shape and dtype, and inside ``shard_map`` the mesh axes it varies over (JAX 0.10 names those
-    ``manual_axis_type``, earlier ones ``vma``)."""
-    aval = jax.typeof(x)
-    if hasattr(aval, "manual_axis_type"):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, manual_axis_type=aval.manual_axis_type)
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, vma=aval.vma)
 
 
 def _kernel(index_ref, keep_ref, *refs, rule, num_inputs, num_scalars, num_arrays):

@@ -9,9 +9,9 @@ last tile is shifted back to stay in bounds and overlaps its predecessor; ``tile
 * ``tile_logits``: the margin logits ``[N, T]`` of one tile, non-owned and padding columns filled; the rows are
   read as stored (their products with ``e_n`` scaled by each row's ``inverse_norms``) and nothing ``[N, T]`` but
   the cosines and logits is made, so that XLA keeps the per-row traffic low (``benchmarks/fc_bytes_per_row.py``);
-* ``online_stats``: running max / sum of exp / target logit ``[N]`` over all tiles (one tile held at a time,
-  its statistics from ``tile_stats``); ``cross_entropy.combine_stats`` then makes the global log-sum-exp with
-  one ``pmax`` and two ``psum``;
+* ``online_stats``: running max / sum of exp / target logit ``[N]`` over all tiles, one tile's at a time
+  (``tile_statistics``, or ``jaxcls.fc.rows_stats``' kernel; ``merge_stats`` combines two); ``cross_entropy.
+  combine_stats`` then makes the global log-sum-exp with one ``pmax`` and two ``psum``;
 * ``tile_grads``: given that log-sum-exp, one tile's gradients w.r.t. ``e_n`` and the tile's rows (from
   ``tile_grad_parts``, which leaves the rows' gradient in two parts for an update to combine: ``row_gradient``).
 
@@ -32,9 +32,6 @@ from jax.sharding import Mesh, NamedSharding
 from jaxcls.losses.cross_entropy import masked_fill_value, softmax_minus_onehot
 from jaxcls.losses.margins import CombinedMargin
 from jaxcls.mesh import check_class_axes, class_shards, padded_num_classes, row_spec, weight_sharding
-
-# tile_at(i) -> (w_tile [T, D], valid [T] bool, first, owned): the rows of tile i and which are real classes
-TileFn = Callable[[jax.Array], tuple]
 
 
 NORM_EPS = 1e-12  # a norm below this counts as this (the rows of padding classes are zero)
@@ -175,21 +172,35 @@ def _margin_logits(cos, targets, valid, first, owned, margin: CombinedMargin):
     return jnp.where(kept, logits, masked_fill_value(jnp.float32)), rel
 
 
-def online_stats(e_n, targets, n_tiles: int, tile_at: TileFn, margin: CombinedMargin):
-    """This shard's softmax statistics ``(row_max, row_sum, target_logit)``, each ``[N]`` float32, tile by tile."""
+def tile_statistics(e_n, w_tile, targets, valid, first, owned, margin: CombinedMargin):
+    """Softmax statistics ``(max, Σ exp(x − max), target logit)`` ``[N]`` float32 of one tile's margin logits."""
+    w32 = w_tile.astype(jnp.float32)
+    cos = cosines(e_n, w32.astype(e_n.dtype)) * inverse_norms(w32)[None, :]
+    return statistics_of_cosines(cos, targets, valid, first, owned, margin)
 
-    def step(carry, i):
-        w_tile, valid, first, owned = tile_at(i)
-        logits, rel = tile_logits(e_n, w_tile, targets, valid, first, owned, margin)
-        picked = jnp.where(lax.broadcasted_iota(jnp.int32, logits.shape, 1) == rel[:, None], logits, 0.0)
-        return _merge(carry, tile_stats(logits, picked)), None
 
+def statistics_of_cosines(cos, targets, valid, first, owned, margin: CombinedMargin, reduce=None):
+    """``tile_statistics`` from the tile's cosines ``[N, T]``, reduced by ``reduce`` (default ``tile_stats``)."""
+    logits, rel = _margin_logits(cos, targets, valid, first, owned, margin)
+    picked = jnp.where(lax.broadcasted_iota(jnp.int32, logits.shape, 1) == rel[:, None], logits, 0.0)
+    return (reduce or tile_stats)(logits, picked)
+
+
+def online_stats(e_n, n_tiles: int, stats_at: Callable[[jax.Array], tuple]):
+    """This shard's softmax statistics ``(row_max, row_sum, target_logit)``, each ``[N]`` float32: those of each
+    tile, ``stats_at(i)`` (e.g. ``tile_statistics``), merged tile by tile."""
+    step = lambda carry, i: (merge_stats(carry, stats_at(i)), None)
     zeros = jnp.zeros_like(e_n[:, 0], jnp.float32)  # zeros_like keeps e_n's varying mesh axes
-    init = (zeros + masked_fill_value(jnp.float32), zeros, zeros)
-    return lax.scan(step, init, jnp.arange(n_tiles))[0]
+    return lax.scan(step, tuple(s + zeros for s in empty_stats(())), jnp.arange(n_tiles))[0]
 
 
-def _merge(a, b):
+def empty_stats(shape):
+    """The statistics of no logits (the identity of ``merge_stats``), float32 of ``shape``."""
+    zero = jnp.zeros(shape, jnp.float32)
+    return zero + masked_fill_value(jnp.float32), zero, zero
+
+
+def merge_stats(a, b):
     """Softmax statistics ``(max, Σ exp(x − max), target)`` of two sets of logits → those of their union."""
     high = jnp.maximum(a[0], b[0])
     return high, a[1] * jnp.exp(a[0] - high) + b[1] * jnp.exp(b[0] - high), a[2] + b[2]
@@ -204,9 +215,7 @@ def tile_stats(logits, picked):
 
 def stats_in_one_read(logits, picked):
     """``tile_stats`` as one variadic reduction, each logit entering as the statistics of itself alone."""
-    zero = jnp.zeros((), jnp.float32)
-    return lax.reduce((logits, jnp.ones_like(logits), picked), (masked_fill_value(jnp.float32), zero, zero),
-                      _merge, (1,))
+    return lax.reduce((logits, jnp.ones_like(logits), picked), empty_stats(()), merge_stats, (1,))
 
 
 def stats_in_separate_reads(logits, picked):

@@ -99,14 +99,19 @@ _PARTIAL_READS = ("slice", "dynamic-slice", "gather")
 _IN_PLACE = {"scatter": 2, "dynamic-update-slice": 1}  # an op that updates its operand 0 → its update's operand
 
 
-def _rows_update_moved(line: str, operands: list[str]) -> int:
-    """Bytes of ``jaxcls.fc.rows_update``'s kernel: its inputs whole, except the arrays it updates in place (those
-    its outputs alias), of which it reads and writes only the rows of its index (operand 0, ``[T]``)."""
-    aliased = {int(i) for i in re.findall(r"\{\d*\}:\s*\((\d+)", line)}
+def _rows_kernel_moved(line: str, operands: list[str], result_shape: str) -> int:
+    """Bytes of one of jaxcls's Pallas row kernels (``jaxcls.fc.rows_update``, ``rows_stats``): of each array it
+    indexes (an operand with more rows than its index, operand 0, or one that its outputs alias) only the index's
+    rows, read once and, where aliased, written once; its other operands and results whole. (``rows_stats`` reads a
+    block of rows once per block of the batch, side by side: counted once, as XLA's own kernels count an operand.)"""
+    aliases = re.findall(r"\{(\d*)\}:\s*\((\d+)", line)
+    aliased, written = {int(o) for _, o in aliases}, {int(r or 0) for r, _ in aliases}
     rows = arrays(operands[0])[0][1]
     leading = lambda shape: int(re.search(r"\[(\d+)", shape).group(1))  # an array's rows
-    return sum(2 * rows * _bytes(shape) // leading(shape) if i in aliased else _bytes(shape)
-               for i, shape in enumerate(operands))
+    moved = sum((1 + (i in aliased)) * rows * _bytes(shape) // leading(shape)
+                if i in aliased or leading(shape) > rows else _bytes(shape) for i, shape in enumerate(operands))
+    results = arrays(result_shape)
+    return moved + sum(n * DTYPE_BYTES.get(dtype, 0) for i, (dtype, n) in enumerate(results) if i not in written)
 
 
 def _fusion_moved(body: list[str], result_shape: str) -> int:
@@ -194,7 +199,7 @@ def kernels(hlo_text: str) -> list[Kernel]:
             fused = re.search(r"calls=%?([\w.\-]+)", line) if op == "fusion" else None
             operands = [shapes.get(o, "") for o in _operands(line, match.end())]
             moved = (_fusion_moved(bodies[fused.group(1)], shape) if fused and fused.group(1) in bodies else
-                     _rows_update_moved(line, operands) if 'name = "rows_update"' in line else
+                     _rows_kernel_moved(line, operands, shape) if 'name = "rows_' in line else
                      _bytes(shape) + sum(map(_bytes, operands)))
             found.append(Kernel(_kernel_kind(op, name, line), name, dtype, size, executions.get(computation, 1),
                                 detail, moved, origin.get(name, "")))

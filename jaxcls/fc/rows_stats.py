@@ -1,0 +1,105 @@
+"""A tile's softmax statistics from the rows it picks by index, without writing a gathered copy of them.
+
+``tile_statistics_by_index(weight, index, valid, first, owned, e_n, targets, margin, gathered)`` is
+``tiles.tile_statistics`` of the rows ``weight[index]``, in two forms chosen by platform (``lax.platform_dependent``):
+
+- ``"pallas"`` (CUDA GPUs): a Triton kernel; each program loads a block of ``BLOCK_ROWS`` rows by index, a
+  ``BLOCK_BATCH`` block of the embeddings, forms the cosines (scaled by the rows' inverse norms), the margin logits
+  and their statistics on chip and writes three ``[BLOCK_BATCH]`` vectors; XLA merges the blocks. XLA's form writes
+  the gathered rows (with their norms) and the ``[N, T]`` float32 cosines to memory and reads both back.
+- ``"xla"`` (every other platform, and rows or batches a Triton block does not fit): ``gathered()``, the rows as
+  the caller reads them, through ``tiles.tile_statistics``.
+
+``forced(form)`` picks one while tracing; ``"pallas_interpret"`` runs the kernel in Pallas' interpreter (outside
+``shard_map`` only), which is how the tests hold it to XLA's form and to float64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pallas_triton
+
+from jaxcls.mesh import varying_like
+from jaxcls.registry import Forms
+from jaxcls.losses import tiles
+from jaxcls.losses.margins import CombinedMargin
+
+FORMS = ("xla", "pallas", "pallas_interpret")
+BLOCK_ROWS = 32  # rows per program
+BLOCK_BATCH = 64  # embeddings per program
+BLOCK_DIM = 64  # the embedding dimension is multiplied in slices of this many
+_FORM = Forms("rows-statistics form", FORMS)
+forced = _FORM.forced  # forced(form): within the block, trace every statistics pass in that form (None: by platform)
+
+
+def tile_statistics_by_index(weight, index, valid, first, owned, e_n, targets, margin: CombinedMargin,
+                             gathered: Callable[[], jax.Array]):
+    """``tiles.tile_statistics(e_n, weight[index], targets, valid, first, owned, margin)``: ``(max, Σ exp, target)``
+    ``[N]`` float32 of the tile of rows ``index`` (``[T]`` int32 local rows, ``valid`` ``[T]``) of ``weight``
+    ``[C_local, D]``. ``gathered()`` gives ``weight[index]`` as the caller stores it (XLA's form)."""
+    xla = lambda *args: tiles.tile_statistics(e_n, gathered(), targets, valid, first, owned, margin)
+    form = _FORM.current()
+    if form == "xla" or not _fits_a_block(weight, e_n):
+        return xla()
+    kernel = partial(_pallas_form, margin=margin)
+    args = (weight, index, valid, first, owned, e_n, targets)
+    if form is not None:
+        return kernel(*args, interpret=form == "pallas_interpret")
+    return lax.platform_dependent(*args, cuda=partial(kernel, interpret=False), default=xla)
+
+
+def _fits_a_block(weight, e_n) -> bool:
+    """Triton blocks are powers of two, and its products need 16 or more along each side."""
+    d = weight.shape[1]
+    return d & (d - 1) == 0 and d >= 16 and e_n.shape[1] == d and jnp.issubdtype(weight.dtype, jnp.floating)
+
+
+def _pallas_form(weight, index, valid, first, owned, e_n, targets, *, margin, interpret: bool):
+    n, d = e_n.shape
+    rows_pad, batch_pad = -index.shape[0] % BLOCK_ROWS, -n % BLOCK_BATCH
+    index = jnp.pad(index, (0, rows_pad), mode="edge").astype(jnp.uint32)  # never negative: no wrap-around
+    valid = jnp.pad(valid, (0, rows_pad))  # padding rows are no classes
+    e_n = jnp.pad(e_n, ((0, batch_pad), (0, 0)))
+    targets = jnp.pad(targets, (0, batch_pad), constant_values=-1)
+    bounds = jnp.stack([first, owned]).astype(jnp.int32)
+    row_blocks, batch_blocks = index.shape[0] // BLOCK_ROWS, e_n.shape[0] // BLOCK_BATCH
+    rows = pl.BlockSpec((BLOCK_ROWS,), lambda b, r: (r,))
+    batch = pl.BlockSpec((BLOCK_BATCH,), lambda b, r: (b,))
+    out = pl.BlockSpec((1, BLOCK_BATCH), lambda b, r: (r, b))
+    stats = pl.pallas_call(
+        partial(_kernel, margin=margin, dim_slices=d // min(BLOCK_DIM, d)),
+        grid=(batch_blocks, row_blocks),  # the batch blocks of one row block run side by side: its rows hit L2
+        in_specs=[rows, rows, batch, pl.BlockSpec((BLOCK_BATCH, d), lambda b, r: (b, 0)),
+                  pl.BlockSpec((2,), lambda b, r: (0,)), pl.BlockSpec(weight.shape, lambda b, r: (0, 0))],
+        out_specs=[out] * 3,
+        out_shape=[varying_like(e_n, (row_blocks, e_n.shape[0]), jnp.float32)] * 3,
+        interpret=interpret, name="rows_stats",
+        compiler_params=None if interpret else pallas_triton.CompilerParams(num_warps=4, num_stages=1),
+    )(index, valid, targets, e_n, bounds, weight)
+    merged = lax.reduce(tuple(stats), tuple(tiles.empty_stats(())), tiles.merge_stats, (0,))
+    return tuple(s[:n] for s in merged)
+
+
+def _kernel(index_ref, valid_ref, targets_ref, e_ref, bounds_ref, weight_ref, max_ref, sum_ref, target_ref, *,
+            margin, dim_slices):
+    index = index_ref[...]
+    width = e_ref.shape[1] // dim_slices
+    products = jnp.zeros((e_ref.shape[0], index.shape[0]), jnp.float32)
+    squares = jnp.zeros(index.shape, jnp.float32)
+    for k in range(dim_slices):  # [B, D] · [R, D]ᵀ a slice of D at a time, the rows' squared norms alike
+        columns = pl.ds(k * width, width)
+        rows = weight_ref[index, columns].astype(jnp.float32)
+        squares += jnp.sum(rows * rows, axis=1)
+        products += pallas_triton.dot(e_ref[:, columns], rows.astype(e_ref.dtype), trans_b=True).astype(jnp.float32)
+    cos = products * lax.rsqrt(jnp.maximum(squares, tiles.NORM_EPS**2))[None, :]
+    first = bounds_ref[0] + pl.program_id(1) * index.shape[0]
+    statistics = tiles.statistics_of_cosines(cos, targets_ref[...], valid_ref[...], first, bounds_ref[1], margin,
+                                             reduce=tiles.stats_in_separate_reads)  # no platform choice in a kernel
+    for ref, value in zip((max_ref, sum_ref, target_ref), statistics):
+        ref[...] = value[None, :]
