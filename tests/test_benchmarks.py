@@ -32,7 +32,7 @@ SCRIPTS = {
     "fc_rounding.py": {"fc_dtype", "loss_last", "moved_positive", "moved_other", "top1"},
     "mbf_convolutions.py": {"part", "lowering", "batch"},
     "fc_bytes_per_row.py": {"fc_dtype", "sampled_rows", "moved_bytes", "kb_per_sampled_row", "floor_kb"},
-    "fc_rows_update.py": {"optimizer", "weight", "state", "form", "ms", "least_GB_per_s", "diff_vs_xla_units"},
+    "fc_kernels.py": {"kernel", "case", "form", "ms", "least_GB_per_s", "diff_vs_xla"},
 }
 NEEDS = {"inference_runtimes.py": "jax2onnx"}
 GPU_TARGET = {"gpu_plan.py", "gpu_program.py", "fc_bytes_per_row.py"}  # compile for a GPU: JAX's CUDA plugin
