@@ -25,16 +25,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pallas_triton
 
-from jaxcls.mesh import varying_like
-from jaxcls.registry import Forms
+from jaxcls.fc.kernel_forms import block_index, compiler_params, kernel_forms, run
 from jaxcls.losses import tiles
 from jaxcls.losses.margins import CombinedMargin
+from jaxcls.mesh import varying_like
 
-FORMS = ("xla", "pallas", "pallas_interpret")
 BLOCK_ROWS = 32  # rows per program
 BLOCK_BATCH = 64  # embeddings per program
 BLOCK_DIM = 64  # the embedding dimension is multiplied in slices of this many
-_FORM = Forms("rows-statistics form", FORMS)
+_FORM = kernel_forms("rows-statistics form")
 forced = _FORM.forced  # forced(form): within the block, trace every statistics pass in that form (None: by platform)
 
 
@@ -44,14 +43,9 @@ def tile_statistics_by_index(weight, index, valid, first, owned, e_n, targets, m
     ``[N]`` float32 of the tile of rows ``index`` (``[T]`` int32 local rows, ``valid`` ``[T]``) of ``weight``
     ``[C_local, D]``. ``gathered()`` gives ``weight[index]`` as the caller stores it (XLA's form)."""
     xla = lambda *args: tiles.tile_statistics(e_n, gathered(), targets, valid, first, owned, margin)
-    form = _FORM.current()
-    if form == "xla" or not _fits_a_block(weight, e_n):
+    if not _fits_a_block(weight, e_n):
         return xla()
-    kernel = partial(_pallas_form, margin=margin)
-    args = (weight, index, valid, first, owned, e_n, targets)
-    if form is not None:
-        return kernel(*args, interpret=form == "pallas_interpret")
-    return lax.platform_dependent(*args, cuda=partial(kernel, interpret=False), default=xla)
+    return run(_FORM, partial(_pallas_form, margin=margin), xla, weight, index, valid, first, owned, e_n, targets)
 
 
 def _fits_a_block(weight, e_n) -> bool:
@@ -62,9 +56,8 @@ def _fits_a_block(weight, e_n) -> bool:
 
 def _pallas_form(weight, index, valid, first, owned, e_n, targets, *, margin, interpret: bool):
     n, d = e_n.shape
-    rows_pad, batch_pad = -index.shape[0] % BLOCK_ROWS, -n % BLOCK_BATCH
-    index = jnp.pad(index, (0, rows_pad), mode="edge").astype(jnp.uint32)  # never negative: no wrap-around
-    valid = jnp.pad(valid, (0, rows_pad))  # padding rows are no classes
+    index, batch_pad = block_index(index, BLOCK_ROWS), -n % BLOCK_BATCH
+    valid = jnp.pad(valid, (0, index.shape[0] - valid.shape[0]))  # padding rows are no classes
     e_n = jnp.pad(e_n, ((0, batch_pad), (0, 0)))
     targets = jnp.pad(targets, (0, batch_pad), constant_values=-1)
     bounds = jnp.stack([first, owned]).astype(jnp.int32)
@@ -80,7 +73,7 @@ def _pallas_form(weight, index, valid, first, owned, e_n, targets, *, margin, in
         out_specs=[out] * 3,
         out_shape=[varying_like(e_n, (row_blocks, e_n.shape[0]), jnp.float32)] * 3,
         interpret=interpret, name="rows_stats",
-        compiler_params=None if interpret else pallas_triton.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=compiler_params(interpret),
     )(index, valid, targets, e_n, bounds, weight)
     merged = lax.reduce(tuple(stats), tuple(tiles.empty_stats(())), tiles.merge_stats, (0,))
     return tuple(s[:n] for s in merged)
@@ -97,7 +90,7 @@ def _kernel(index_ref, valid_ref, targets_ref, e_ref, bounds_ref, weight_ref, ma
         rows = weight_ref[index, columns].astype(jnp.float32)
         squares += jnp.sum(rows * rows, axis=1)
         products += pallas_triton.dot(e_ref[:, columns], rows.astype(e_ref.dtype), trans_b=True).astype(jnp.float32)
-    cos = products * lax.rsqrt(jnp.maximum(squares, tiles.NORM_EPS**2))[None, :]
+    cos = products * tiles.inverse_of_squares(squares)[None, :]
     first = bounds_ref[0] + pl.program_id(1) * index.shape[0]
     statistics = tiles.statistics_of_cosines(cos, targets_ref[...], valid_ref[...], first, bounds_ref[1], margin,
                                              reduce=tiles.stats_in_separate_reads)  # no platform choice in a kernel

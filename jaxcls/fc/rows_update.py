@@ -24,16 +24,13 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pallas_triton
 
+from jaxcls.fc.kernel_forms import block_index, compiler_params, kernel_forms, run
 from jaxcls.mesh import varying_like
-from jaxcls.registry import Forms
 
-FORMS = ("xla", "pallas", "pallas_interpret")
 BLOCK_ROWS = 8  # rows per kernel program: with D = 512 and float32 AdamW, five [8, 512] arrays fit in registers
-_FORM = Forms("rows-update form", FORMS)
+_FORM = kernel_forms("rows-update form")
 forced = _FORM.forced  # forced(form): within the block, trace every update_rows in that form (None: by platform)
 
 # A rule maps (rows: tuple of [B, ...] arrays as stored, inputs: tuple of [B, ...] arrays, *scalars) to the new
@@ -48,14 +45,10 @@ def update_rows(arrays: tuple, index: jax.Array, inputs: tuple, keep: jax.Array,
     ``inputs``: arrays ``[T]`` or ``[T, D]``, row ``t`` going with ``index[t]``; ``scalars``: 0-d arrays the rule
     needs (a learning rate, a step count). Donate ``arrays`` to the enclosing jit to update them in place.
     """
-    form = _FORM.current()
-    if form == "xla" or not _fits_a_block(arrays + inputs):
-        return _xla_form(arrays, index, inputs, keep, *scalars, rule=rule)
-    if form is not None:
-        return _pallas_form(arrays, index, inputs, keep, *scalars, rule=rule, interpret=form == "pallas_interpret")
-    return lax.platform_dependent(arrays, index, inputs, keep, *scalars,
-                                  cuda=partial(_pallas_form, rule=rule, interpret=False),
-                                  default=partial(_xla_form, rule=rule))
+    xla, args = partial(_xla_form, rule=rule), (arrays, index, inputs, keep, *scalars)
+    if not _fits_a_block(arrays + inputs):
+        return xla(*args)
+    return run(_FORM, partial(_pallas_form, rule=rule), xla, *args)
 
 
 def _fits_a_block(arrays) -> bool:
@@ -71,25 +64,23 @@ def _xla_form(arrays, index, inputs, keep, *scalars, rule):
 
 
 def _pallas_form(arrays, index, inputs, keep, *scalars, rule, interpret: bool):
-    rows = index.shape[0]
-    pad = -rows % BLOCK_ROWS  # padding repeats the last row: both copies store the same values
-    index, keep, *inputs = (jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), mode="edge")
-                            for x in (index, keep, *inputs))
-    index = index.astype(jnp.uint32)  # never negative: no wrap-around arithmetic in the kernel
+    index = block_index(index, BLOCK_ROWS)  # padding repeats the last row: both copies store the same values
+    pad = index.shape[0] - keep.shape[0]
+    keep, *inputs = (jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), mode="edge") for x in (keep, *inputs))
     scalars = tuple(jnp.reshape(s, (1,)) for s in scalars)
     by_block = lambda shape: pl.BlockSpec((BLOCK_ROWS, *shape[1:]), lambda i: (i,) + (0,) * (len(shape) - 1))
     whole = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
     kernel = partial(_kernel, rule=rule, num_inputs=len(inputs), num_scalars=len(scalars), num_arrays=len(arrays))
     first_array = 2 + len(inputs) + len(scalars)
     return tuple(pl.pallas_call(
-        kernel, grid=((rows + pad) // BLOCK_ROWS,),
+        kernel, grid=(index.shape[0] // BLOCK_ROWS,),
         in_specs=[by_block(index.shape), by_block(keep.shape), *(by_block(x.shape) for x in inputs),
                   *(whole(s.shape) for s in scalars), *(whole(a.shape) for a in arrays)],
         out_specs=[whole(a.shape) for a in arrays],
         out_shape=[varying_like(a) for a in arrays],
         input_output_aliases={first_array + i: i for i in range(len(arrays))},
         interpret=interpret, name="rows_update",
-        compiler_params=None if interpret else pallas_triton.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=compiler_params(interpret),
     )(index, keep, *inputs, *scalars, *arrays))
 
 

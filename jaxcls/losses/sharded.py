@@ -128,10 +128,6 @@ def _tile(weight, row_valid, i, chunk_size):
             first, owned)
 
 
-def _tile_statistics(e_n, targets, margin, w_tile, valid, first, owned):
-    return tiles.tile_statistics(e_n, w_tile, targets, valid, first, owned, margin)
-
-
 @partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _chunked_cross_entropy(e_n, weight, targets, row_valid, margin, axis_name, chunk_size):
     """Per-example losses ``[N]`` like the unchunked path, holding one ``[N, chunk]`` tile at a time."""
@@ -140,7 +136,11 @@ def _chunked_cross_entropy(e_n, weight, targets, row_valid, margin, axis_name, c
 
 def _chunked_forward(e_n, weight, targets, row_valid, margin, axis_name, chunk_size):
     n_tiles = tiles.num_tiles(weight.shape[0], chunk_size)
-    stats_at = lambda i: _tile_statistics(e_n, targets, margin, *_tile(weight, row_valid, i, chunk_size))
+
+    def stats_at(i):
+        w_tile, valid, first, owned = _tile(weight, row_valid, i, chunk_size)
+        return tiles.tile_statistics(e_n, w_tile, targets, valid, first, owned, margin)
+
     stats = tiles.online_stats(e_n, n_tiles, stats_at)
     lse, loss = combine_stats(*stats, axis_name)
     return loss, (e_n, weight, targets, row_valid, lse)

@@ -45,7 +45,12 @@ def l2_normalize(x: jax.Array, eps: float = NORM_EPS) -> jax.Array:
 def inverse_norms(x: jax.Array, eps: float = NORM_EPS) -> jax.Array:
     """``1 / ‖x_t‖`` of each row ``[T]`` of ``x`` ``[T, D]``, float32 (``l2_normalize``'s factors)."""
     x = x.astype(jnp.float32)
-    return lax.rsqrt(jnp.maximum(jnp.sum(x * x, axis=-1), eps * eps))
+    return inverse_of_squares(jnp.sum(x * x, axis=-1), eps)
+
+
+def inverse_of_squares(squares: jax.Array, eps: float = NORM_EPS) -> jax.Array:
+    """``inverse_norms`` from the rows' squared norms (float32)."""
+    return lax.rsqrt(jnp.maximum(squares, eps * eps))
 
 
 def validate_labels(labels, num_classes: int) -> None:
@@ -155,10 +160,14 @@ def tile_logits(e_n, w_tile, targets, valid, first, owned, margin: CombinedMargi
     ``valid`` ``[T]`` marks real classes; rows before ``owned`` (overlap with the previous tile) and invalid
     ones get the fill value (exp → 0). Returns ``(logits, each target's column in the tile or -1)``.
     """
-    # the rows as stored, each cosine scaled by its row's inverse norm [T]: no normalized [T, D] copy is written
+    return _margin_logits(tile_cosines(e_n, w_tile), targets, valid, first, owned, margin)
+
+
+def tile_cosines(e_n, w_tile):
+    """``[N, T]`` float32 cosines of ``e_n`` with the rows as stored: their products times each row's inverse norm
+    ``[T]`` (no normalized ``[T, D]`` copy is written)."""
     w32 = w_tile.astype(jnp.float32)
-    cos = cosines(e_n, w32.astype(e_n.dtype)) * inverse_norms(w32)[None, :]
-    return _margin_logits(cos, targets, valid, first, owned, margin)
+    return cosines(e_n, w32.astype(e_n.dtype)) * inverse_norms(w32)[None, :]
 
 
 def _margin_logits(cos, targets, valid, first, owned, margin: CombinedMargin):
@@ -174,9 +183,7 @@ def _margin_logits(cos, targets, valid, first, owned, margin: CombinedMargin):
 
 def tile_statistics(e_n, w_tile, targets, valid, first, owned, margin: CombinedMargin):
     """Softmax statistics ``(max, Σ exp(x − max), target logit)`` ``[N]`` float32 of one tile's margin logits."""
-    w32 = w_tile.astype(jnp.float32)
-    cos = cosines(e_n, w32.astype(e_n.dtype)) * inverse_norms(w32)[None, :]
-    return statistics_of_cosines(cos, targets, valid, first, owned, margin)
+    return statistics_of_cosines(tile_cosines(e_n, w_tile), targets, valid, first, owned, margin)
 
 
 def statistics_of_cosines(cos, targets, valid, first, owned, margin: CombinedMargin, reduce=None):
@@ -240,7 +247,8 @@ def tile_grad_parts(e_n, w_tile, targets, valid, first, owned, margin: CombinedM
     float32, the derivative of the norm (a projection: the row gradient has no component along the row).
     """
     w32 = w_tile.astype(jnp.float32)
-    inverse = inverse_norms(w32)
+    squares = jnp.sum(w32 * w32, axis=-1)
+    inverse = inverse_of_squares(squares)
     products, pull_products = jax.vjp(cosines, e_n, w32.astype(e_n.dtype))
     margin_fn = lambda products, inverse: _margin_logits(products * inverse[None, :], targets, valid, first, owned,
                                                           margin)
@@ -248,7 +256,7 @@ def tile_grad_parts(e_n, w_tile, targets, valid, first, owned, margin: CombinedM
     # autodiff sums each row's parts over the batch and over the mesh axes where the rows are replicated
     d_products, d_inverse = pull_logits(softmax_minus_onehot(logits, rel, lse, 0) * g[:, None])
     d_e, product = pull_products(d_products)
-    clamped = jnp.sum(w32 * w32, axis=-1) < NORM_EPS**2  # a row shorter than NORM_EPS: r is constant there
+    clamped = squares < NORM_EPS**2  # a row shorter than NORM_EPS: r is constant there
     return d_e, product, jnp.where(clamped, 0.0, d_inverse * inverse**3)
 
 
