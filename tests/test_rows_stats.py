@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxcls.fc import rows_stats
+from jaxcls.losses import tiles
 from reference import MARGINS, margin_target
 
 
@@ -40,11 +41,14 @@ def test_both_forms_give_the_tiles_float64_statistics(margin, dtype, rng):
     owned = first + int(rng.integers(0, t // 2))  # the first columns belong to the previous tile
     e = rng.normal(size=(n, d))
     e_n = jnp.asarray(e / np.linalg.norm(e, axis=1, keepdims=True), dtype)
-    targets = jnp.asarray(np.where(rng.random(n) < 0.7, first + rng.integers(0, real, n), -1), jnp.int32)
+    column = rng.integers(0, real + 20, n)  # a real class of the tile, or one of the next tile's
+    targets = np.where(rng.random(n) < 0.7, first + np.where(column < real, column, column + t - real), -1)
+    targets = jnp.asarray(targets, jnp.int32)
     want = float64_statistics(e_n, weight[index], targets, valid, first, owned, margin)
     for form in ("xla", "pallas_interpret"):
         with rows_stats.forced(form):
-            got = jax.jit(lambda *a: rows_stats.tile_statistics_by_index(*a, margin, lambda: weight[index]))(
+            got = jax.jit(lambda w, i, v, f, o, e, t: rows_stats.tile_statistics_by_index(
+                w, i, tiles.tile_columns(t, v, f, o), e, margin, lambda: w[i]))(
                 weight, index, valid, jnp.int32(first), jnp.int32(owned), e_n, targets)
         high, total, target = (np.asarray(x, np.float64) for x in got)
         # compared through the log-sum-exp (the max is a shift): float32 cosines of s = 64 logits
@@ -57,9 +61,9 @@ def test_the_kernel_is_used_only_where_it_can_be(rng):
         weight, e_n = jnp.zeros((50, d)), jnp.zeros((8, d))
         index, valid, targets = jnp.arange(10), jnp.ones(10, bool), jnp.zeros(8, jnp.int32)
         with rows_stats.forced(form):
+            where = tiles.tile_columns(targets, valid, jnp.int32(0), jnp.int32(0))
             return str(jax.make_jaxpr(lambda w, e: rows_stats.tile_statistics_by_index(
-                w, index, valid, jnp.int32(0), jnp.int32(0), e, targets, MARGINS["arcface"], lambda: w[index]))(
-                weight, e_n))
+                w, index, where, e, MARGINS["arcface"], lambda: w[index]))(weight, e_n))
     assert "pallas_call" in trace("pallas_interpret", 32)
     assert "pallas_call" not in trace("pallas_interpret", 24)  # not a power of two
     assert "pallas_call" not in trace("pallas_interpret", 8)  # too narrow for Triton's products

@@ -28,8 +28,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxcls import mesh as layout
 from jaxcls.fc.optimizers import SparseOptimizer, SparseState
+from jaxcls.fc.rows_backward import tile_backward
 from jaxcls.fc.rows_stats import tile_statistics_by_index
-from jaxcls.fc.rows_update import update_rows
 from jaxcls.fc.sampling import ClassSample, check_sample_rate, sample_classes
 from jaxcls.losses import tiles
 from jaxcls.losses.cross_entropy import combine_stats
@@ -124,12 +124,12 @@ def _step_shard(emb, labels, weight, slots, row_classes, lr, count, keep_update,
     num_rows = row_classes.shape[0]
     tile = min(head.chunk_size or num_rows, num_rows)
 
-    def locate(i):  # which rows tile i covers: (local row indices [T], valid [T], first, owned)
+    def locate(i):  # tile i: its rows (local indices [T]) and where its columns stand
         first, owned = tiles.tile_starts(num_rows, tile, i)
         classes = lax.dynamic_slice_in_dim(row_classes, first, tile)
         # gather and scatter by index even when contiguous: XLA then updates in place (a select fused into a
         # dynamic-update-slice made it copy the whole array)
-        return classes - shard_first, classes < head.num_classes, first, owned
+        return classes - shard_first, tiles.tile_columns(targets, classes < head.num_classes, first, owned)
 
     # On CPU 16- and 8-bit float rows move as raw bits: XLA:CPU cannot scatter into a bfloat16/float16 array in
     # place and would convert the whole array to float32 (and back) on every tile. GPUs scatter 16-bit floats natively.
@@ -139,9 +139,9 @@ def _step_shard(emb, labels, weight, slots, row_classes, lr, count, keep_update,
         weight, *slots = map(_to_bits, (weight, *slots))
 
     def stats_at(i):
-        index, valid, first, owned = locate(i)
-        gathered = lambda: _from_bits(weight[index], dtypes[0])
-        return tile_statistics_by_index(weight, index, valid, first, owned, e_n, targets, head.margin, gathered)
+        index, where = locate(i)
+        return tile_statistics_by_index(weight, index, where, e_n, head.margin,
+                                        lambda: _from_bits(weight[index], dtypes[0]))
 
     n_tiles = tiles.num_tiles(num_rows, tile)
     lse, losses = combine_stats(*tiles.online_stats(e_n, n_tiles, stats_at), class_axes)
@@ -152,19 +152,18 @@ def _step_shard(emb, labels, weight, slots, row_classes, lr, count, keep_update,
     keep_update = keep_update & (lax.pmin(finite.astype(jnp.int32), head.mesh.axis_names) > 0)
     count = count + keep_update.astype(count.dtype) if with_update else count  # the optimizer's step number
 
-    def backward(carry, i):
-        d_e, weight, slots = carry
-        index, valid, first, owned = locate(i)
-        w_tile = _from_bits(weight[index], dtypes[0])
-        d_e_tile, *row_grad = tiles.tile_grad_parts(e_n, w_tile, targets, valid, first, owned, head.margin, lse, g)
-        if with_update:  # rows the tile does not own (overlap with the previous tile) or padding stay as they are
-            keep = keep_update & valid & (first + jnp.arange(tile) >= owned)
-            rule = optimizer_rule(head.optimizer, dtypes if as_bits else None)
-            weight, *slots = update_rows((weight, *slots), index, tuple(row_grad), keep, rule, lr, count)
-        return (d_e + d_e_tile.astype(jnp.float32), weight, tuple(slots)), None
+    rule = optimizer_rule(head.optimizer, dtypes if as_bits else None)
 
-    init = (jnp.zeros_like(e_n32), weight, tuple(slots))
-    (d_e, weight, slots), _ = lax.scan(backward, init, jnp.arange(n_tiles))
+    def backward(carry, i):
+        d_e, arrays = carry
+        index, where = locate(i)
+        # rows the tile does not own (overlap with the previous tile) or padding stay as they are
+        update = (keep_update & where.kept, rule, lr, count) if with_update else ()
+        d_e_tile, arrays = tile_backward(arrays, index, where, e_n, lse, g, head.margin,
+                                         lambda: _from_bits(arrays[0][index], dtypes[0]), *update)
+        return (d_e + d_e_tile, arrays), None
+
+    (d_e, (weight, *slots)), _ = lax.scan(backward, (jnp.zeros_like(e_n32), (weight, *slots)), jnp.arange(n_tiles))
     total = jnp.sum(losses)
     if layout.data_axes(class_axes):
         total = lax.psum(total, layout.data_axes(class_axes))
@@ -178,10 +177,10 @@ def stores_bits(mesh: Mesh) -> bool:
 
 
 def optimizer_rule(optimizer: SparseOptimizer, dtypes: tuple | None = None):
-    """``rows_update.update_rows``' rule for ``optimizer``: ``(rows, (product, radial), lr, count)`` → new rows, where
-    ``rows`` are the weight's and the slots' ``[T, …]`` as stored (as raw bits where ``dtypes`` names their dtypes,
-    on CPU). The rows' gradient is formed from ``tiles.tile_grad_parts``' two parts and rounded to the weight's dtype
-    as the autodiff route rounds it."""
+    """``rows_backward.tile_backward``'s rule for ``optimizer``: ``(rows, (product, radial), lr, count)`` → new rows,
+    where ``rows`` are the weight's and the slots' ``[T, …]`` as stored (as raw bits where ``dtypes`` names their
+    dtypes, on CPU). The rows' gradient is formed from ``tiles.tile_grad_parts``' two parts and rounded to the
+    weight's dtype as the autodiff route rounds it."""
 
     def rule(rows, row_grad, lr, count):
         weight, *slots = rows if dtypes is None else (_from_bits(r, t) for r, t in zip(rows, dtypes))

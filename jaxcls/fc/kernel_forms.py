@@ -1,4 +1,4 @@
-"""What jaxcls's Pallas row kernels (``jaxcls.fc.rows_stats``, ``rows_update``) share: their forms and how one is
+"""What jaxcls's Pallas row kernels (``jaxcls.fc.rows_stats``, ``rows_backward``) share: their forms and how one is
 chosen, the index they read rows by, their Triton settings."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import triton as pallas_triton
 
+from jaxcls.losses.tiles import TileColumns
 from jaxcls.registry import Forms
 
 FORMS = ("xla", "pallas", "pallas_interpret")  # pallas_interpret: the kernel in Pallas' interpreter, any platform
@@ -36,6 +37,28 @@ def block_index(index: jax.Array, block: int) -> jax.Array:
     return jnp.pad(index, (0, -index.shape[0] % block), mode="edge").astype(jnp.uint32)
 
 
-def compiler_params(interpret: bool):
+def block_columns(where: TileColumns, block: int, copies: bool) -> TileColumns:
+    """``where``'s columns padded to a multiple of ``block``, as ``block_index`` pads the rows: as copies of the last
+    column where ``copies`` (a kernel that stores rows: each copy of a row then stores what the row stores), else as
+    columns that are no target and not kept (a kernel that sums over the rows counts each row once)."""
+    pad = -where.columns.shape[0] % block
+    if copies:
+        return where._replace(columns=jnp.pad(where.columns, (0, pad), mode="edge"),
+                              kept=jnp.pad(where.kept, (0, pad), mode="edge"))
+    return where._replace(columns=jnp.pad(where.columns, (0, pad), constant_values=-2),  # rel is never below -1
+                          kept=jnp.pad(where.kept, (0, pad)))
+
+
+def block_batch(block: int, e_n, rel, lse=None, g=None) -> tuple:
+    """The batch padded to a multiple of ``block`` embeddings that take no part: zero embeddings, no target, and (for
+    a gradient) an infinite log-sum-exp (probabilities 0) and zero weight. Returns the padded arrays given."""
+    pad = -e_n.shape[0] % block
+    padded = (jnp.pad(e_n, ((0, pad), (0, 0))), jnp.pad(rel, (0, pad), constant_values=-1))
+    if lse is not None:
+        padded += (jnp.pad(lse, (0, pad), constant_values=jnp.inf), jnp.pad(g, (0, pad)))
+    return padded
+
+
+def compiler_params(interpret: bool, num_warps: int = 4):
     """Triton's settings (untuned: no GPU has timed them yet); none for the interpreter."""
-    return None if interpret else pallas_triton.CompilerParams(num_warps=4, num_stages=1)
+    return None if interpret else pallas_triton.CompilerParams(num_warps=num_warps, num_stages=1)

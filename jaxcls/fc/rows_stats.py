@@ -1,6 +1,6 @@
 """A tile's softmax statistics from the rows it picks by index, without writing a gathered copy of them.
 
-``tile_statistics_by_index(weight, index, valid, first, owned, e_n, targets, margin, gathered)`` is
+``tile_statistics_by_index(weight, index, where, e_n, margin, gathered)`` is
 ``tiles.tile_statistics`` of the rows ``weight[index]``, in two forms chosen by platform (``lax.platform_dependent``):
 
 - ``"pallas"`` (CUDA GPUs): a Triton kernel; each program loads a block of ``BLOCK_ROWS`` rows by index, a
@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pallas_triton
 
-from jaxcls.fc.kernel_forms import block_index, compiler_params, kernel_forms, run
+from jaxcls.fc.kernel_forms import block_batch, block_columns, block_index, compiler_params, kernel_forms, run
 from jaxcls.losses import tiles
 from jaxcls.losses.margins import CombinedMargin
 from jaxcls.mesh import varying_like
@@ -37,30 +37,27 @@ _FORM = kernel_forms("rows-statistics form")
 forced = _FORM.forced  # forced(form): within the block, trace every statistics pass in that form (None: by platform)
 
 
-def tile_statistics_by_index(weight, index, valid, first, owned, e_n, targets, margin: CombinedMargin,
+def tile_statistics_by_index(weight, index, where: tiles.TileColumns, e_n, margin: CombinedMargin,
                              gathered: Callable[[], jax.Array]):
-    """``tiles.tile_statistics(e_n, weight[index], targets, valid, first, owned, margin)``: ``(max, Σ exp, target)``
-    ``[N]`` float32 of the tile of rows ``index`` (``[T]`` int32 local rows, ``valid`` ``[T]``) of ``weight``
-    ``[C_local, D]``. ``gathered()`` gives ``weight[index]`` as the caller stores it (XLA's form)."""
-    xla = lambda *args: tiles.tile_statistics(e_n, gathered(), targets, valid, first, owned, margin)
-    if not _fits_a_block(weight, e_n):
+    """``tiles.tile_statistics`` of the rows ``weight[index]``: ``(max, Σ exp, target)`` ``[N]`` float32 of the tile of
+    rows ``index`` (``[T]`` int32 local rows) of ``weight`` ``[C_local, D]``, whose columns stand as ``where`` says
+    (``tiles.tile_columns``). ``gathered()`` gives ``weight[index]`` as the caller stores it (XLA's form)."""
+    xla = lambda *args: tiles.statistics_of_cosines(tiles.tile_cosines(e_n, gathered()), where, margin)
+    if not fits_a_block(weight, e_n):
         return xla()
-    return run(_FORM, partial(_pallas_form, margin=margin), xla, weight, index, valid, first, owned, e_n, targets)
+    return run(_FORM, partial(_pallas_form, margin=margin), xla, weight, index, where, e_n)
 
 
-def _fits_a_block(weight, e_n) -> bool:
+def fits_a_block(weight, e_n) -> bool:
     """Triton blocks are powers of two, and its products need 16 or more along each side."""
     d = weight.shape[1]
     return d & (d - 1) == 0 and d >= 16 and e_n.shape[1] == d and jnp.issubdtype(weight.dtype, jnp.floating)
 
 
-def _pallas_form(weight, index, valid, first, owned, e_n, targets, *, margin, interpret: bool):
+def _pallas_form(weight, index, where, e_n, *, margin, interpret: bool):
     n, d = e_n.shape
-    index, batch_pad = block_index(index, BLOCK_ROWS), -n % BLOCK_BATCH
-    valid = jnp.pad(valid, (0, index.shape[0] - valid.shape[0]))  # padding rows are no classes
-    e_n = jnp.pad(e_n, ((0, batch_pad), (0, 0)))
-    targets = jnp.pad(targets, (0, batch_pad), constant_values=-1)
-    bounds = jnp.stack([first, owned]).astype(jnp.int32)
+    index, where = block_index(index, BLOCK_ROWS), block_columns(where, BLOCK_ROWS, copies=False)
+    e_n, rel = block_batch(BLOCK_BATCH, e_n, where.rel)
     row_blocks, batch_blocks = index.shape[0] // BLOCK_ROWS, e_n.shape[0] // BLOCK_BATCH
     rows = pl.BlockSpec((BLOCK_ROWS,), lambda b, r: (r,))
     batch = pl.BlockSpec((BLOCK_BATCH,), lambda b, r: (b,))
@@ -68,19 +65,19 @@ def _pallas_form(weight, index, valid, first, owned, e_n, targets, *, margin, in
     stats = pl.pallas_call(
         partial(_kernel, margin=margin, dim_slices=d // min(BLOCK_DIM, d)),
         grid=(batch_blocks, row_blocks),  # the batch blocks of one row block run side by side: its rows hit L2
-        in_specs=[rows, rows, batch, pl.BlockSpec((BLOCK_BATCH, d), lambda b, r: (b, 0)),
-                  pl.BlockSpec((2,), lambda b, r: (0,)), pl.BlockSpec(weight.shape, lambda b, r: (0, 0))],
+        in_specs=[rows, rows, rows, batch, pl.BlockSpec((BLOCK_BATCH, d), lambda b, r: (b, 0)),
+                  pl.BlockSpec(weight.shape, lambda b, r: (0, 0))],
         out_specs=[out] * 3,
         out_shape=[varying_like(e_n, (row_blocks, e_n.shape[0]), jnp.float32)] * 3,
         interpret=interpret, name="rows_stats",
         compiler_params=compiler_params(interpret),
-    )(index, valid, targets, e_n, bounds, weight)
+    )(index, where.columns, where.kept, rel, e_n, weight)
     merged = lax.reduce(tuple(stats), tuple(tiles.empty_stats(())), tiles.merge_stats, (0,))
     return tuple(s[:n] for s in merged)
 
 
-def _kernel(index_ref, valid_ref, targets_ref, e_ref, bounds_ref, weight_ref, max_ref, sum_ref, target_ref, *,
-            margin, dim_slices):
+def _kernel(index_ref, columns_ref, kept_ref, rel_ref, e_ref, weight_ref, max_ref, sum_ref, target_ref, *, margin,
+            dim_slices):
     index = index_ref[...]
     width = e_ref.shape[1] // dim_slices
     products = jnp.zeros((e_ref.shape[0], index.shape[0]), jnp.float32)
@@ -91,8 +88,8 @@ def _kernel(index_ref, valid_ref, targets_ref, e_ref, bounds_ref, weight_ref, ma
         squares += jnp.sum(rows * rows, axis=1)
         products += pallas_triton.dot(e_ref[:, columns], rows.astype(e_ref.dtype), trans_b=True).astype(jnp.float32)
     cos = products * tiles.inverse_of_squares(squares)[None, :]
-    first = bounds_ref[0] + pl.program_id(1) * index.shape[0]
-    statistics = tiles.statistics_of_cosines(cos, targets_ref[...], valid_ref[...], first, bounds_ref[1], margin,
+    where = tiles.TileColumns(rel_ref[...], columns_ref[...], kept_ref[...])
+    statistics = tiles.statistics_of_cosines(cos, where, margin,
                                              reduce=tiles.stats_in_separate_reads)  # no platform choice in a kernel
     for ref, value in zip((max_ref, sum_ref, target_ref), statistics):
         ref[...] = value[None, :]

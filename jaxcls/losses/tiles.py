@@ -22,6 +22,7 @@ Outside ``shard_map``: ``check_inputs`` (shapes, sharding, labels, before any wo
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 
-from jaxcls.losses.cross_entropy import masked_fill_value, softmax_minus_onehot
+from jaxcls.losses.cross_entropy import masked_fill_value
 from jaxcls.losses.margins import CombinedMargin
 from jaxcls.mesh import check_class_axes, class_shards, padded_num_classes, row_spec, weight_sharding
 
@@ -153,6 +154,25 @@ def _cosines_bwd(residuals, g):
 cosines.defvjp(_cosines_fwd, _cosines_bwd)
 
 
+class TileColumns(NamedTuple):
+    """Where a tile's ``T`` columns stand: ``rel`` ``[N]`` each target's column in the tile (-1: none, or one the tile
+    does not own), ``columns`` ``[T]`` int32 each column's own number (``arange(T)``; a kernel that pads the tile
+    gives its padding other numbers), ``kept`` ``[T]`` bool the columns the tile owns that are real classes."""
+
+    rel: jax.Array
+    columns: jax.Array
+    kept: jax.Array
+
+
+def tile_columns(targets, valid, first, owned) -> TileColumns:
+    """``TileColumns`` of the tile covering local rows ``[first, first + T)`` (``T = valid.shape[0]``) that owns those
+    from ``owned`` on: ``targets`` ``[N]`` local rows or -1, ``valid`` ``[T]`` real classes."""
+    columns = jnp.arange(valid.shape[0], dtype=jnp.int32)
+    rel = targets - first
+    rel = jnp.where((targets >= owned) & (rel >= 0) & (rel < valid.shape[0]), rel, -1)
+    return TileColumns(rel.astype(jnp.int32), columns, valid & (columns >= owned - first))
+
+
 def tile_logits(e_n, w_tile, targets, valid, first, owned, margin: CombinedMargin):
     """Margin logits ``[N, T]`` float32 of the tile of rows ``w_tile`` ``[T, D]`` (as stored, not normalized: the
     cosines are ``(e_n · w_t) / ‖w_t‖``) starting at local row ``first``.
@@ -160,7 +180,8 @@ def tile_logits(e_n, w_tile, targets, valid, first, owned, margin: CombinedMargi
     ``valid`` ``[T]`` marks real classes; rows before ``owned`` (overlap with the previous tile) and invalid
     ones get the fill value (exp → 0). Returns ``(logits, each target's column in the tile or -1)``.
     """
-    return _margin_logits(tile_cosines(e_n, w_tile), targets, valid, first, owned, margin)
+    where = tile_columns(targets, valid, first, owned)
+    return margin_logits(tile_cosines(e_n, w_tile), where, margin), where.rel
 
 
 def tile_cosines(e_n, w_tile):
@@ -170,26 +191,24 @@ def tile_cosines(e_n, w_tile):
     return cosines(e_n, w32.astype(e_n.dtype)) * inverse_norms(w32)[None, :]
 
 
-def _margin_logits(cos, targets, valid, first, owned, margin: CombinedMargin):
-    """``tile_logits`` from the tile's cosines ``[N, T]``."""
-    rel = targets - first
-    rel = jnp.where((targets >= owned) & (rel >= 0) & (rel < cos.shape[1]), rel, -1)
-    columns = lax.broadcasted_iota(jnp.int32, cos.shape, 1)  # within the tile: no [N, T] of global indices
-    # the margin's target logit elementwise and selected: no [N] pick whose gradient scatters into an [N, T] array
-    logits = jnp.where(columns == rel[:, None], margin.target_logit(cos), margin.logits(cos))
-    kept = (columns >= owned - first) & valid[None, :]
-    return jnp.where(kept, logits, masked_fill_value(jnp.float32)), rel
+def margin_logits(cos, where: TileColumns, margin: CombinedMargin):
+    """``tile_logits`` from the tile's cosines ``[N, T]``: columns compared as ``[T]`` and ``[N]`` vectors (no
+    ``[N, T]`` index array), the margin's target logit computed elementwise and selected (no ``[N]`` pick whose
+    gradient scatters into an ``[N, T]`` array)."""
+    is_target = where.columns[None, :] == where.rel[:, None]
+    logits = jnp.where(is_target, margin.target_logit(cos), margin.logits(cos))
+    return jnp.where(where.kept[None, :], logits, masked_fill_value(jnp.float32))
 
 
 def tile_statistics(e_n, w_tile, targets, valid, first, owned, margin: CombinedMargin):
     """Softmax statistics ``(max, Σ exp(x − max), target logit)`` ``[N]`` float32 of one tile's margin logits."""
-    return statistics_of_cosines(tile_cosines(e_n, w_tile), targets, valid, first, owned, margin)
+    return statistics_of_cosines(tile_cosines(e_n, w_tile), tile_columns(targets, valid, first, owned), margin)
 
 
-def statistics_of_cosines(cos, targets, valid, first, owned, margin: CombinedMargin, reduce=None):
+def statistics_of_cosines(cos, where: TileColumns, margin: CombinedMargin, reduce=None):
     """``tile_statistics`` from the tile's cosines ``[N, T]``, reduced by ``reduce`` (default ``tile_stats``)."""
-    logits, rel = _margin_logits(cos, targets, valid, first, owned, margin)
-    picked = jnp.where(lax.broadcasted_iota(jnp.int32, logits.shape, 1) == rel[:, None], logits, 0.0)
+    logits = margin_logits(cos, where, margin)
+    picked = jnp.where(where.columns[None, :] == where.rel[:, None], logits, 0.0)
     return (reduce or tile_stats)(logits, picked)
 
 
@@ -234,11 +253,12 @@ def stats_in_separate_reads(logits, picked):
 def tile_grads(e_n, w_tile, targets, valid, first, owned, margin: CombinedMargin, lse, g):
     """Gradients ``(d e_n [N, D], d w_tile [T, D])`` of ``Σ_n g[n]·loss[n]`` through one tile, given the
     global log-sum-exp ``lse`` ``[N]``."""
-    d_e, product, radial = tile_grad_parts(e_n, w_tile, targets, valid, first, owned, margin, lse, g)
+    where = tile_columns(targets, valid, first, owned)
+    d_e, product, radial = tile_grad_parts(e_n, w_tile, where, margin, lse, g)
     return d_e, row_gradient(w_tile, product, radial).astype(w_tile.dtype)
 
 
-def tile_grad_parts(e_n, w_tile, targets, valid, first, owned, margin: CombinedMargin, lse, g):
+def tile_grad_parts(e_n, w_tile, where: TileColumns, margin: CombinedMargin, lse, g):
     """``tile_grads`` with the rows' gradient left in two parts: ``(d e_n, product, radial)``, the gradient w.r.t.
     the rows ``row_gradient(w_tile, product, radial)``, so that an update can form it where it reads the rows.
 
@@ -250,14 +270,24 @@ def tile_grad_parts(e_n, w_tile, targets, valid, first, owned, margin: CombinedM
     squares = jnp.sum(w32 * w32, axis=-1)
     inverse = inverse_of_squares(squares)
     products, pull_products = jax.vjp(cosines, e_n, w32.astype(e_n.dtype))
-    margin_fn = lambda products, inverse: _margin_logits(products * inverse[None, :], targets, valid, first, owned,
-                                                          margin)
-    logits, pull_logits, rel = jax.vjp(margin_fn, products, inverse, has_aux=True)
-    # autodiff sums each row's parts over the batch and over the mesh axes where the rows are replicated
-    d_products, d_inverse = pull_logits(softmax_minus_onehot(logits, rel, lse, 0) * g[:, None])
+    d_products, d_inverse = cosine_grads(products, inverse, where, margin, lse, g)
     d_e, product = pull_products(d_products)
-    clamped = squares < NORM_EPS**2  # a row shorter than NORM_EPS: r is constant there
-    return d_e, product, jnp.where(clamped, 0.0, d_inverse * inverse**3)
+    return d_e, product, radial_part(d_inverse, inverse, squares)
+
+
+def cosine_grads(products, inverse, where: TileColumns, margin: CombinedMargin, lse, g):
+    """Gradients of ``Σ_n g[n]·loss[n]`` (given the global log-sum-exp ``lse`` ``[N]``) w.r.t. a tile's unscaled
+    products ``e_n · w`` ``[N, T]`` and its rows' inverse norms ``[T]`` (summed over the batch), float32."""
+    logits, pull = jax.vjp(lambda p, r: margin_logits(p * r[None, :], where, margin), products, inverse)
+    is_target = where.columns[None, :] == where.rel[:, None]
+    # autodiff sums each row's part over the batch and over the mesh axes where the rows are replicated
+    return pull((jnp.exp(logits - lse[:, None]) - is_target.astype(jnp.float32)) * g[:, None])
+
+
+def radial_part(d_inverse, inverse, squares):
+    """``tile_grad_parts``' ``radial`` ``[T]`` from ``∂/∂r``, ``r`` and the rows' squared norms (a row shorter than
+    ``NORM_EPS`` has a constant ``r``: no radial part)."""
+    return jnp.where(squares < NORM_EPS**2, 0.0, d_inverse * inverse**3)
 
 
 def row_gradient(rows, product, radial):

@@ -1,0 +1,186 @@
+"""A tile's backward pass from the rows it picks by index: the embeddings' gradient, and one optimizer step on the rows
+with their gradient formed where they are updated, each row read once there and written once.
+
+``tile_backward(arrays, index, where, e_n, lse, g, margin, gathered, keep, rule, *scalars)`` returns
+``(d_e, arrays)``: the gradient ``[N, D]`` float32 of ``Σ_n g[n]·loss[n]`` w.r.t. ``e_n`` through the tile of rows
+``index`` of ``arrays[0]`` (the weight), and ``arrays`` (the weight and its optimizer slots, all ``[C_local, ...]``)
+with the rows ``index`` replaced where ``keep`` holds by ``rule(rows, (product, radial), *scalars)``, the rows'
+gradient in ``tiles.tile_grad_parts``' two parts. Two forms compute it, chosen by platform
+(``lax.platform_dependent``):
+
+- ``"pallas"`` (CUDA GPUs): two Triton kernels that read the rows by index and recompute each block's cosines and
+  their gradient on chip from the tile's log-sum-exp (no ``[N, T]`` array and no ``[T, D]`` copy or gradient is
+  written). The first gives ``d_e``: each program owns a block of embeddings and a share of the tile's rows, and
+  writes its partial sum, which XLA adds. The second, one program per block of rows, sums the rows' gradient over
+  the batch, applies ``rule`` in registers and stores the rows back in place. It runs after the first, which needs
+  the rows as they were.
+- ``"xla"`` (every other platform, and rows a Triton block does not fit): ``gathered()`` (the rows as the caller
+  reads them), ``tiles.tile_grad_parts``, and per array a gather and a scatter (``array.at[index].set``).
+
+Without ``keep`` only ``d_e`` is computed and ``arrays`` come back untouched. ``forced(form)`` picks one form while
+tracing; ``"pallas_interpret"`` runs the kernels in Pallas' interpreter on any platform (outside ``shard_map`` only),
+which is how the tests hold them to XLA's form and to float64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pallas_triton
+
+from jaxcls.fc.kernel_forms import block_batch, block_columns, block_index, compiler_params, kernel_forms, run
+from jaxcls.fc.rows_stats import fits_a_block
+from jaxcls.losses import tiles
+from jaxcls.losses.margins import CombinedMargin
+from jaxcls.mesh import varying_like
+
+GRAD_BLOCK_BATCH = 32  # embeddings per program of the embeddings' gradient
+GRAD_BLOCK_ROWS = 32  # rows it multiplies at a time
+GRAD_PROGRAMS = 256  # it splits the tile's rows into shares until about this many programs run
+UPDATE_BLOCK_ROWS = 16  # rows per program of the update (Triton's products need 16 or more)
+UPDATE_BLOCK_BATCH = 32  # embeddings it multiplies at a time
+_FORM = kernel_forms("rows-backward form")
+forced = _FORM.forced  # forced(form): within the block, trace every tile_backward in that form (None: by platform)
+
+# A rule maps (rows: tuple of [B, ...] arrays as stored, (product [B, D], radial [B]), *scalars) to the new rows,
+# as stored.
+Rule = Callable[..., tuple]
+
+
+def tile_backward(arrays: tuple, index, where: tiles.TileColumns, e_n, lse, g, margin: CombinedMargin,
+                  gathered: Callable[[], jax.Array], keep=None, rule: Rule | None = None, *scalars):
+    """``(d_e [N, D] float32, arrays)``, see the module docstring.
+
+    ``index`` ``[T]`` int32 distinct local rows; ``where`` the tile's columns (``tiles.tile_columns``); ``e_n``
+    ``[N, D]`` normalized embeddings in the compute dtype; ``lse``, ``g`` ``[N]`` float32; ``keep`` ``[T]`` bool;
+    ``scalars``: 0-d arrays the rule needs (a learning rate, a step count). Donate ``arrays`` to the enclosing jit to
+    update them in place.
+    """
+    xla = partial(_xla_form, margin=margin, rule=rule, gathered=gathered)
+    args = (arrays, index, where, e_n, lse, g, keep, *scalars)
+    if not (fits_a_block(arrays[0], e_n) and all(w & (w - 1) == 0 for a in arrays for w in a.shape[1:])):
+        return xla(*args)
+    return run(_FORM, partial(_pallas_form, margin=margin, rule=rule), xla, *args)
+
+
+def _xla_form(arrays, index, where, e_n, lse, g, keep, *scalars, margin, rule, gathered):
+    d_e, *row_grad = tiles.tile_grad_parts(e_n, gathered(), where, margin, lse, g)
+    d_e = d_e.astype(jnp.float32)
+    if keep is None:
+        return d_e, arrays
+    old = tuple(a[index] for a in arrays)
+    new = rule(old, tuple(row_grad), *scalars)
+    return d_e, tuple(a.at[index].set(jnp.where(keep[:, None], n, o), unique_indices=True)
+                      for a, n, o in zip(arrays, new, old))
+
+
+def _pallas_form(arrays, index, where, e_n, lse, g, keep, *scalars, margin, rule, interpret: bool):
+    d_e = _embedding_grad(arrays[0], index, where, e_n, lse, g, margin, interpret)
+    if keep is None:
+        return d_e, arrays
+    return d_e, _update(arrays, index, where, e_n, lse, g, keep, scalars, margin, rule, interpret)
+
+
+def _product_dtype(e_dtype):
+    """The dtype the gradients multiply in, as ``tiles.cosines``' backward: the embeddings', float16's in float32."""
+    return jnp.float32 if e_dtype == jnp.float16 else e_dtype
+
+
+def _embedding_grad(weight, index, where, e_n, lse, g, margin, interpret):
+    n, d = e_n.shape
+    batch_blocks = -(-n // GRAD_BLOCK_BATCH)
+    shares = max(1, min(GRAD_PROGRAMS // batch_blocks, -(-index.shape[0] // GRAD_BLOCK_ROWS)))
+    index = block_index(index, shares * GRAD_BLOCK_ROWS)  # padding rows: copies of the last, never kept
+    where = block_columns(where, shares * GRAD_BLOCK_ROWS, copies=False)
+    e_n, rel, lse, g = block_batch(GRAD_BLOCK_BATCH, e_n, where.rel, lse, g)
+    share = index.shape[0] // shares
+    rows = pl.BlockSpec((share,), lambda b, s: (s,))
+    batch = pl.BlockSpec((GRAD_BLOCK_BATCH,), lambda b, s: (b,))
+    partial_sums = pl.pallas_call(
+        partial(_embedding_grad_kernel, margin=margin),
+        grid=(batch_blocks, shares),
+        in_specs=[rows, rows, rows, batch, batch, batch, pl.BlockSpec((GRAD_BLOCK_BATCH, d), lambda b, s: (b, 0)),
+                  pl.BlockSpec(weight.shape, lambda b, s: (0, 0))],
+        out_specs=pl.BlockSpec((1, GRAD_BLOCK_BATCH, d), lambda b, s: (s, b, 0)),
+        out_shape=varying_like(e_n, (shares, *e_n.shape), jnp.float32),
+        interpret=interpret, name="rows_embedding_grad",
+        compiler_params=compiler_params(interpret, num_warps=8),
+    )(index, where.columns, where.kept, rel, lse, g, e_n, weight)
+    return jnp.sum(partial_sums, axis=0)[:n]
+
+
+def _embedding_grad_kernel(index_ref, columns_ref, kept_ref, rel_ref, lse_ref, g_ref, e_ref, weight_ref, out_ref, *,
+                           margin):
+    e, rel, lse, g = e_ref[...], rel_ref[...], lse_ref[...], g_ref[...]
+    dtype = _product_dtype(e.dtype)
+
+    def add_block(r, d_e):  # the gradient through GRAD_BLOCK_ROWS of this program's rows
+        at = pl.ds(r * GRAD_BLOCK_ROWS, GRAD_BLOCK_ROWS)
+        rows = weight_ref[index_ref[at], :].astype(jnp.float32)
+        inverse = tiles.inverse_of_squares(jnp.sum(rows * rows, axis=1))
+        rows = rows.astype(e.dtype)
+        products = pallas_triton.dot(e, rows, trans_b=True).astype(jnp.float32)
+        where = tiles.TileColumns(rel, columns_ref[at], kept_ref[at])
+        d_products, _ = tiles.cosine_grads(products, inverse, where, margin, lse, g)
+        return d_e + pallas_triton.dot(d_products.astype(dtype), rows.astype(dtype)).astype(jnp.float32)
+
+    d_e = lax.fori_loop(0, index_ref.shape[0] // GRAD_BLOCK_ROWS, add_block, jnp.zeros(e.shape, jnp.float32))
+    out_ref[...] = d_e[None]
+
+
+def _update(arrays, index, where, e_n, lse, g, keep, scalars, margin, rule, interpret):
+    index = block_index(index, UPDATE_BLOCK_ROWS)  # padding rows: copies of the last, storing what it stores
+    where = block_columns(where, UPDATE_BLOCK_ROWS, copies=True)
+    keep = jnp.pad(keep, (0, index.shape[0] - keep.shape[0]), mode="edge")
+    e_n, rel, lse, g = block_batch(UPDATE_BLOCK_BATCH, e_n, where.rel, lse, g)
+    scalars = tuple(jnp.reshape(s, (1,)) for s in scalars)
+    rows = pl.BlockSpec((UPDATE_BLOCK_ROWS,), lambda i: (i,))
+    whole = lambda x: pl.BlockSpec(x.shape, lambda i: (0,) * x.ndim)
+    vectors = (index, where.columns, where.kept, keep)
+    batch = (rel, lse, g, e_n)
+    return tuple(pl.pallas_call(
+        partial(_update_kernel, margin=margin, rule=rule, num_scalars=len(scalars), num_arrays=len(arrays)),
+        grid=(index.shape[0] // UPDATE_BLOCK_ROWS,),
+        in_specs=[rows] * len(vectors) + [whole(x) for x in (*batch, *scalars, *arrays)],
+        out_specs=[whole(a) for a in arrays],
+        out_shape=[varying_like(a) for a in arrays],
+        input_output_aliases={len(vectors) + len(batch) + len(scalars) + i: i for i in range(len(arrays))},
+        interpret=interpret, name="rows_update",
+        compiler_params=compiler_params(interpret),
+    )(*vectors, *batch, *scalars, *arrays))
+
+
+def _update_kernel(index_ref, columns_ref, kept_ref, keep_ref, rel_ref, lse_ref, g_ref, e_ref, *refs, margin, rule,
+                   num_scalars, num_arrays):
+    scalar_refs, array_refs, out_refs = refs[:num_scalars], refs[num_scalars:-num_arrays], refs[-num_arrays:]
+    index = index_ref[...]
+    old = tuple(a[index, :] for a in array_refs)
+    rows = old[0].astype(jnp.float32)
+    squares = jnp.sum(rows * rows, axis=1)
+    inverse = tiles.inverse_of_squares(squares)
+    rows = rows.astype(e_ref.dtype)
+    dtype = _product_dtype(e_ref.dtype)
+    columns, kept = columns_ref[...], kept_ref[...]
+
+    def add_block(b, sums):  # the rows' gradient parts through UPDATE_BLOCK_BATCH embeddings
+        product, d_inverse = sums
+        at = pl.ds(b * UPDATE_BLOCK_BATCH, UPDATE_BLOCK_BATCH)
+        e = e_ref[at, :]
+        products = pallas_triton.dot(e, rows, trans_b=True).astype(jnp.float32)
+        where = tiles.TileColumns(rel_ref[at], columns, kept)
+        d_products, d_block = tiles.cosine_grads(products, inverse, where, margin, lse_ref[at], g_ref[at])
+        product += pallas_triton.dot(d_products.astype(dtype), e.astype(dtype), trans_a=True).astype(jnp.float32)
+        return product, d_inverse + d_block
+
+    zeros = jnp.zeros(rows.shape, jnp.float32), jnp.zeros(index.shape, jnp.float32)
+    product, d_inverse = lax.fori_loop(0, e_ref.shape[0] // UPDATE_BLOCK_BATCH, add_block, zeros)
+    row_grad = product.astype(e_ref.dtype), tiles.radial_part(d_inverse, inverse, squares)
+    new = rule(old, row_grad, *(s[0] for s in scalar_refs))
+    keep = keep_ref[...]
+    for out, n, o in zip(out_refs, new, old):
+        out[index, :] = jnp.where(keep[:, None], n, o)

@@ -1,0 +1,172 @@
+"""``jaxcls.fc.rows_backward``: a tile's embedding gradient and the rows' optimizer step, by the Pallas kernels (run by
+Pallas' interpreter here) and by XLA's form, against float64. (Pallas' interpreter cannot run inside ``shard_map``,
+where FCHead.step calls it: test_fc holds the step to float64 with XLA's form, and test_gpu_target finds the kernels
+in the step compiled for an H100.)"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxcls.fc import rows_backward
+from jaxcls.fc.head import optimizer_rule
+from jaxcls.fc.optimizers import adamw, decode, encode, sgd
+from jaxcls.losses import tiles
+from reference import MARGINS, adamw_step, margin_target, rel_err, sgd_step
+
+FORMS = ("xla", "pallas_interpret")
+
+
+def draw_tile(rng, dtype):
+    """A weight ``[c, 32]`` as stored, a tile of ``t`` of its rows (sorted, distinct; the last may be padding
+    classes, the first owned by the previous tile) and a batch of ``n`` normalized embeddings whose targets lie in
+    the tile, beyond it or elsewhere; the last real row is a target, so that the kernels' padding copies of it must
+    store what it stores. ``t`` and ``n`` are rarely multiples of the kernels' blocks."""
+    c, d, n, t = int(rng.integers(150, 300)), 32, int(rng.integers(20, 70)), int(rng.integers(20, 70))
+    weight = jnp.asarray(rng.normal(size=(c, d)), dtype)
+    index = jnp.asarray(np.sort(rng.choice(c, t, replace=False)), jnp.int32)
+    real = t - int(rng.integers(0, 4))
+    first = int(rng.integers(0, 1000))
+    owned = first + int(rng.integers(0, t // 3))
+    e = rng.normal(size=(n, d))
+    e_n = jnp.asarray(e / np.linalg.norm(e, axis=1, keepdims=True), dtype)
+    column = rng.integers(0, real + 20, n)  # a real class of the tile, or one of the next tile's
+    targets = np.where(rng.random(n) < 0.8, first + np.where(column < real, column, column + t - real), -1)
+    targets[0] = first + real - 1
+    where = tiles.tile_columns(jnp.asarray(targets, jnp.int32), jnp.arange(t) < real, first, owned)
+    return weight, index, where, e_n
+
+
+def float64_loss(margin, where, lse, g):
+    """``Σ_n g[n]·(Σ_kept exp(logit − lse[n]) − target logit)`` of ``e_n`` and the tile's rows, in float64: with the
+    log-sum-exp held, its gradient w.r.t. the logits is the kernels' ``g·(softmax − onehot)``."""
+    rel, kept = np.asarray(where.rel), np.asarray(where.kept)
+
+    def loss(e, w):
+        cos = e @ (w / jnp.linalg.norm(w, axis=1, keepdims=True)).T
+        picked = cos[jnp.arange(len(rel)), np.maximum(rel, 0)]
+        target = jnp.where(rel >= 0, margin_target(picked, margin.s, margin.m1, margin.m2, margin.m3), 0.0)
+        is_target = np.arange(cos.shape[1])[None, :] == rel[:, None]
+        logits = jnp.where(is_target, target[:, None], margin.s * cos)
+        return jnp.sum(g * (jnp.sum(jnp.where(kept[None, :], jnp.exp(logits - lse[:, None]), 0.0), axis=1) - target))
+
+    return loss
+
+
+def tile_lse(e_n, rows, margin, where, rng):
+    """A log-sum-exp ``[N]`` as other tiles would leave it: this tile's own, plus up to ~3 more."""
+    e, w = np.asarray(e_n, np.float64), np.asarray(rows, np.float64)
+    cos = e @ (w / np.linalg.norm(w, axis=1, keepdims=True)).T
+    logits = np.where(np.asarray(where.kept)[None, :], margin.s * cos, -np.inf)
+    return np.logaddexp(np.logaddexp.reduce(logits, axis=1), margin.s * rng.uniform(0.0, 1.0, len(e)))
+
+
+def backward(form, arrays, index, where, e_n, lse, g, margin, *update):
+    """``tile_backward`` jitted in ``form``; ``update``: ``(keep, rule, *scalars)`` or nothing."""
+    keep, rule, *scalars = update or (None, None)
+    with rows_backward.forced(form):
+        step = jax.jit(lambda arrays, e_n, keep, scalars: rows_backward.tile_backward(
+            arrays, index, where, e_n, lse, g, margin, lambda: arrays[0][index],
+            *(() if keep is None else (keep, rule, *scalars))))
+        return step(arrays, e_n, keep, scalars)
+
+
+def gradient_rule(rows, row_grad):
+    """A rule that leaves the weight and writes the rows' gradient into the second array."""
+    return rows[0], tiles.row_gradient(rows[0], *row_grad)
+
+
+@pytest.mark.parametrize("margin", ["arcface", "cosface", "sphereface"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_both_forms_give_the_float64_gradients_of_the_embeddings_and_the_kept_rows(margin, dtype, rng):
+    margin = MARGINS[margin]
+    weight, index, where, e_n = draw_tile(rng, dtype)
+    lse = tile_lse(e_n, weight[index], margin, where, rng)
+    g = rng.uniform(0.5, 2.0, len(e_n))
+    keep = jnp.asarray(rng.random(len(index)) < 0.8) & where.kept
+    with jax.enable_x64(True):
+        want_e, want_w = jax.grad(float64_loss(margin, where, lse, g), argnums=(0, 1))(
+            np.asarray(e_n, np.float64), np.asarray(weight[index], np.float64))
+    rows, kept = np.asarray(index), np.asarray(keep)
+    # float32 cosines of s = 64 logits, or bfloat16 products (8 bits) rounded once per tile
+    tolerance = 1e-4 if dtype == jnp.float32 else 3e-2
+    for form in FORMS:
+        sink = jnp.zeros(weight.shape, jnp.float32)
+        d_e, (same, grads) = backward(form, (weight, sink), index, where, e_n, jnp.asarray(lse, jnp.float32),
+                                      jnp.asarray(g, jnp.float32), margin, keep, gradient_rule)
+        assert d_e.dtype == jnp.float32 and rel_err(np.asarray(d_e), want_e) < tolerance, form
+        assert rel_err(np.asarray(grads)[rows[kept]], np.asarray(want_w)[kept]) < tolerance, form
+        untouched = np.setdiff1d(np.arange(len(weight)), rows[kept])
+        assert np.all(np.asarray(grads)[untouched] == 0) and np.array_equal(same, weight), form
+        d_e_alone, unchanged = backward(form, (weight,), index, where, e_n, jnp.asarray(lse, jnp.float32),
+                                        jnp.asarray(g, jnp.float32), margin)
+        np.testing.assert_array_equal(d_e_alone, d_e, err_msg=form)
+        assert np.array_equal(unchanged[0], weight), form
+
+
+# (optimizer, weight dtype, state dtype)
+CASES = [("sgd", jnp.float32, jnp.float32), ("sgd", jnp.bfloat16, jnp.bfloat16), ("sgd", jnp.bfloat16, jnp.int8),
+         ("adamw", jnp.float32, jnp.float32)]
+STEPS = {"sgd": (sgd, sgd_step), "adamw": (adamw, adamw_step)}
+
+
+def as_float64(arrays, per_slot):
+    """Weight and decoded slots as float64 numpy."""
+    weight, *slots = arrays
+    return [np.asarray(weight, np.float64)] + [np.asarray(decode(tuple(slots[i:i + per_slot])), np.float64)
+                                               for i in range(0, len(slots), per_slot)]
+
+
+@pytest.mark.parametrize("name,weight_dtype,state_dtype", CASES, ids=str)
+def test_both_forms_step_the_kept_rows_as_the_float64_optimizer_and_leave_the_rest(name, weight_dtype, state_dtype,
+                                                                                   rng):
+    margin = MARGINS["arcface"]
+    weight, index, where, e_n = draw_tile(rng, weight_dtype)
+    e_n = e_n.astype(jnp.float32)  # float32 products: the step's own rounding is what is held to float64 here
+    optimizer = STEPS[name][0](state_dtype=state_dtype)
+    moments = [rng.normal(size=weight.shape) ** (i + 1) for i in range(optimizer.num_slots)]  # AdamW's nu >= 0
+    arrays = (weight, *(a for m in moments for a in encode(jnp.asarray(m, jnp.float32), jnp.dtype(state_dtype))))
+    lse = tile_lse(e_n, weight[index], margin, where, rng)
+    g = rng.uniform(0.5, 2.0, len(e_n))
+    keep = jnp.asarray(rng.random(len(index)) < 0.8) & where.kept
+    lr, count = float(rng.uniform(0.01, 0.5)), int(rng.integers(1, 20))
+    per_slot = (len(arrays) - 1) // optimizer.num_slots
+    before = as_float64(arrays, per_slot)
+    rows, kept = np.asarray(index), np.asarray(keep)
+    with jax.enable_x64(True):
+        grads = jax.grad(float64_loss(margin, where, lse, g), argnums=1)(np.asarray(e_n, np.float64), before[0][rows])
+    grads = np.asarray(jnp.asarray(grads, weight_dtype), np.float64)  # the optimizer takes it as stored
+    ref = STEPS[name][1](before[0][rows], [s[rows] for s in before[1:]], grads, lr, count)
+    ref = [ref[0], *ref[1]]
+    results = {form: backward(form, arrays, index, where, e_n, jnp.asarray(lse, jnp.float32),
+                              jnp.asarray(g, jnp.float32), margin, keep, optimizer_rule(optimizer), jnp.float32(lr),
+                              jnp.int32(count))[1] for form in FORMS}
+    for form, new in results.items():
+        for got, want, dtype in zip(as_float64(new, per_slot), ref, [weight_dtype] + [state_dtype] * len(ref[1:])):
+            # float32 arithmetic, then one rounding to the storage dtype (an int8 code step: 1/127 of the row's
+            # largest magnitude); the gradient itself is float32, rounded to the weight's dtype as the reference's
+            got, want = got[rows[kept]], want[kept]
+            one_step = (np.abs(want).max(axis=1, keepdims=True) / 127 if dtype == jnp.int8 else
+                        np.abs(want) * float(jnp.finfo(dtype).eps))
+            assert np.all(np.abs(got - want) <= 1.01 * one_step + 1e-3 * np.abs(want).max()), (form, dtype)
+        untouched = np.setdiff1d(np.arange(len(weight)), rows[kept])  # unlisted rows and listed rows not kept
+        for a, b in zip(new, arrays):
+            assert a.dtype == b.dtype and np.array_equal(np.asarray(a)[untouched], np.asarray(b)[untouched]), form
+
+
+def test_the_kernels_are_used_only_where_they_can_be(rng):
+    def trace(form, d, rows=(), dtype=jnp.float32):
+        weight, e_n = jnp.zeros((50, d), dtype), jnp.zeros((8, d))
+        index, lse, g = jnp.arange(10), jnp.zeros(8), jnp.zeros(8)
+        where = tiles.tile_columns(jnp.zeros(8, jnp.int32), jnp.ones(10, bool), 0, 0)
+        slots = tuple(jnp.zeros((50, w)) for w in rows)
+        return str(jax.make_jaxpr(lambda arrays: backward(form, arrays, index, where, e_n, lse, g, MARGINS["cosface"],
+                                                          jnp.ones(10, bool), lambda rows, _: rows))((weight, *slots)))
+    assert trace("pallas_interpret", 32).count("pallas_call") == 2  # the embeddings' gradient, then the update
+    assert "pallas_call" not in trace("xla", 32)
+    assert "pallas_call" not in trace("pallas_interpret", 24)  # not a power of two
+    assert "pallas_call" not in trace("pallas_interpret", 32, rows=(12,))  # a slot's rows of 12: no Triton block
+    assert "pallas_call" not in trace("pallas_interpret", 32, dtype=jnp.int8)  # not stored as floats
+    with pytest.raises(ValueError, match="unknown rows-backward form 'triton': expected one of xla, "):
+        with rows_backward.forced("triton"):
+            pass
