@@ -9,7 +9,8 @@
                                                          # global batch
 
 Extra ``--set key=value`` pairs override config keys (e.g. ``--set chunk_size=65536``); ``--grouped-conv xla``
-times mbf with XLA's grouped convolutions (the form before ``jaxcls.models.grouped_conv``) for a before/after.
+times mbf with XLA's grouped convolutions (the form before ``jaxcls.models.grouped_conv``) for a before/after, and
+``--fc-kernels xla`` the FC path without its Pallas row kernels (``jaxcls.fc.rows_stats``, ``rows_backward``) likewise.
 
 Timing is arcface_torch_bench.py's: each step synchronized (its outputs ready before the next is dispatched), the
 median of ``--steps`` (default 40) after ``--warmup`` (default 15) steps; img/s is the batch over that median.
@@ -24,6 +25,7 @@ import itertools
 
 from jaxcls.bench import print_table, select, time_train_step, write_json
 from jaxcls.config import benchmark_config
+from jaxcls.fc import kernel_forms, rows_backward, rows_stats
 from jaxcls.models import grouped_conv
 from jaxcls.startup import simulate_cpu_devices
 
@@ -42,6 +44,8 @@ def main():
     parser.add_argument("--set", action="append", default=[], help="config override key=value")
     parser.add_argument("--grouped-conv", choices=grouped_conv.LOWERINGS, default=None,
                         help="one lowering for every grouped convolution (default: each platform's own)")
+    parser.add_argument("--fc-kernels", choices=kernel_forms.FORMS, default=None,
+                        help="one form for the FC path's row kernels (default: each platform's own)")
     parser.add_argument("--out", default="benchmarks/results/step_throughput.json")
     args = parser.parse_args()
     if args.small or args.cpu:
@@ -61,9 +65,10 @@ def main():
     for (model, batch, classes, rate, precision), bn_sync in itertools.product(grid, syncs):
         config = benchmark_config(small=args.small, overrides=args.set, model=model, batch_size=batch,
                                   num_classes=classes, sample_rate=rate, precision=precision, bn_sync=bn_sync)
-        with grouped_conv.forced(args.grouped_conv):
+        with grouped_conv.forced(args.grouped_conv), rows_stats.forced(args.fc_kernels), \
+                rows_backward.forced(args.fc_kernels):
             row = time_train_step(config, steps, args.pipeline, warmup)
-        rows.append(dict(row, grouped_conv=args.grouped_conv or "platform"))
+        rows.append(dict(row, grouped_conv=args.grouped_conv or "platform", fc_kernels=args.fc_kernels or "platform"))
     print_table(rows, ["model", "batch", "classes", "sample_rate", "precision", "bn_sync", "input", "img_per_s",
                        "ms_per_step", "compile_s", "peak_bytes", "temp_bytes"])
     write_json(args.out, rows)
