@@ -1,5 +1,5 @@
-"""jaxcls's FC kernels alone, in each form: the statistics pass (``jaxcls.fc.rows_stats``) and the backward with the
-rows update (``jaxcls.fc.rows_backward``), on one tile of sampled rows.
+"""jaxcls's FC kernels alone, in each form: the statistics pass (``jaxcls.losses.rows_stats``) and the backward with the
+rows update (``jaxcls.losses.rows_backward``), on one tile of sampled rows.
 
     python benchmarks/fc_kernels.py           # on a GPU: XLA's form and the Triton kernel
     python benchmarks/fc_kernels.py --small   # on a CPU: XLA's form and the kernel in Pallas' interpreter
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcls.bench import print_table, write_json
-from jaxcls.fc import rows_backward, rows_stats
+from jaxcls.losses import rows_backward, rows_stats
 from jaxcls.fc.head import optimizer_rule
 from jaxcls.fc.optimizers import adamw, encode, sgd
 from jaxcls.losses import arcface, tiles

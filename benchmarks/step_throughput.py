@@ -10,7 +10,7 @@
 
 Extra ``--set key=value`` pairs override config keys (e.g. ``--set chunk_size=65536``); ``--grouped-conv xla``
 times mbf with XLA's grouped convolutions (the form before ``jaxcls.models.grouped_conv``) for a before/after, and
-``--fc-kernels xla`` the FC path without its Pallas row kernels (``jaxcls.fc.rows_stats``, ``rows_backward``) likewise.
+``--fc-kernels xla`` the FC path without its Pallas row kernels (``jaxcls.losses.rows_stats``, ``rows_backward``).
 
 Timing is arcface_torch_bench.py's: each step synchronized (its outputs ready before the next is dispatched), the
 median of ``--steps`` (default 40) after ``--warmup`` (default 15) steps; img/s is the batch over that median.
@@ -25,7 +25,7 @@ import itertools
 
 from jaxcls.bench import print_table, select, time_train_step, write_json
 from jaxcls.config import benchmark_config
-from jaxcls.fc import kernel_forms, rows_backward, rows_stats
+from jaxcls.losses import kernel_forms, rows_backward, rows_stats
 from jaxcls.models import grouped_conv
 from jaxcls.startup import simulate_cpu_devices
 

@@ -100,7 +100,7 @@ def test_the_tile_loop_writes_no_tile_sized_array():
 @pytest.mark.gpu_target
 @pytest.mark.parametrize("fc_state_dtype", ["same", "int8"])
 def test_the_fc_rows_are_read_by_index_and_updated_by_kernels_that_touch_each_once(fc_state_dtype):
-    """On a GPU the statistics pass is jaxcls.fc.rows_stats' Triton kernel and the backward rows_backward's two, each
+    """On a GPU the statistics pass is jaxcls.losses.rows_stats' Triton kernel and the backward rows_backward's two, each
     run once per tile: no gathered copy of the rows or of the optimizer state, no scatter, no row gradient written,
     the update in place."""
     text = compiled_at(ROWS[0], fc_state_dtype)[1].as_text()

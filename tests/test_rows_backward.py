@@ -1,4 +1,4 @@
-"""``jaxcls.fc.rows_backward``: a tile's embedding gradient and the rows' optimizer step, by the Pallas kernels (run by
+"""``jaxcls.losses.rows_backward``: a tile's embedding gradient and the rows' optimizer step, by the Pallas kernels (run by
 Pallas' interpreter here) and by XLA's form, against float64. (Pallas' interpreter cannot run inside ``shard_map``,
 where FCHead.step calls it: test_fc holds the step to float64 with XLA's form, and test_gpu_target finds the kernels
 in the step compiled for an H100.)"""
@@ -8,10 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxcls.fc import rows_backward
 from jaxcls.fc.head import optimizer_rule
 from jaxcls.fc.optimizers import adamw, decode, encode, sgd
-from jaxcls.losses import tiles
+from jaxcls.losses import rows_backward, tiles
 from reference import MARGINS, adamw_step, margin_target, rel_err, sgd_step
 
 FORMS = ("xla", "pallas_interpret")
@@ -61,19 +60,20 @@ def tile_lse(e_n, rows, margin, where, rng):
     return np.logaddexp(np.logaddexp.reduce(logits, axis=1), margin.s * rng.uniform(0.0, 1.0, len(e)))
 
 
-def backward(form, arrays, index, where, e_n, lse, g, margin, *update):
+def backward(form, arrays, index, where, e_n, lse, g, margin, *update, reads=0):
     """``tile_backward`` jitted in ``form``; ``update``: ``(keep, rule, *scalars)`` or nothing."""
     keep, rule, *scalars = update or (None, None)
     with rows_backward.forced(form):
         step = jax.jit(lambda arrays, e_n, keep, scalars: rows_backward.tile_backward(
             arrays, index, where, e_n, lse, g, margin, lambda: arrays[0][index],
-            *(() if keep is None else (keep, rule, *scalars))))
+            *(() if keep is None else (keep, rule, *scalars)), reads=reads))
         return step(arrays, e_n, keep, scalars)
 
 
 def gradient_rule(rows, row_grad):
-    """A rule that leaves the weight and writes the rows' gradient into the second array."""
-    return rows[0], tiles.row_gradient(rows[0], *row_grad)
+    """A rule that reads the weight and writes the rows' gradient into the second array (as sharded_margin_loss'
+    backward does)."""
+    return (tiles.row_gradient(rows[0], *row_grad),)
 
 
 @pytest.mark.parametrize("margin", ["arcface", "cosface", "sphereface"])
@@ -93,7 +93,7 @@ def test_both_forms_give_the_float64_gradients_of_the_embeddings_and_the_kept_ro
     for form in FORMS:
         sink = jnp.zeros(weight.shape, jnp.float32)
         d_e, (same, grads) = backward(form, (weight, sink), index, where, e_n, jnp.asarray(lse, jnp.float32),
-                                      jnp.asarray(g, jnp.float32), margin, keep, gradient_rule)
+                                      jnp.asarray(g, jnp.float32), margin, keep, gradient_rule, reads=1)
         assert d_e.dtype == jnp.float32 and rel_err(np.asarray(d_e), want_e) < tolerance, form
         assert rel_err(np.asarray(grads)[rows[kept]], np.asarray(want_w)[kept]) < tolerance, form
         untouched = np.setdiff1d(np.arange(len(weight)), rows[kept])

@@ -1,4 +1,4 @@
-"""``jaxcls.fc.rows_stats``: a tile's softmax statistics from rows picked by index, by the Pallas kernel (in Pallas'
+"""``jaxcls.losses.rows_stats``: a tile's softmax statistics from rows picked by index, by the Pallas kernel (in Pallas'
 interpreter here) and by XLA's form, against float64. (Pallas' interpreter cannot run inside ``shard_map``, where
 FCHead.step calls it: test_fc holds the step to float64 with XLA's form, and test_gpu_target finds the kernel in the
 step compiled for an H100.)"""
@@ -8,8 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxcls.fc import rows_stats
-from jaxcls.losses import tiles
+from jaxcls.losses import rows_stats, tiles
 from reference import MARGINS, margin_target
 
 

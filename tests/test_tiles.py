@@ -59,7 +59,8 @@ def test_online_stats_equal_dense_logsumexp(margin, tile, rng):
 
 @pytest.mark.parametrize("tile", [1, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_tile_grads_sum_to_the_dense_gradient(tile, rng):
-    """Σ over tiles of ``tile_grads`` = d/d(e_n, W) of Σ g·(lse − target) with the lse held fixed, as in the kernel."""
+    """Σ over tiles of ``tile_grad_parts`` (the rows' parts combined by ``row_gradient``) = d/d(e_n, W) of
+    Σ g·(lse − target) with the lse held fixed, as in the kernel."""
     margin = MARGINS["arcface"]
     e_n, weight, valid, targets, tile_at, n_tiles = tile_walk(rng, tile)
     g = rng.uniform(0.5, 2.0, size=len(e_n)).astype(np.float32)
@@ -68,7 +69,9 @@ def test_tile_grads_sum_to_the_dense_gradient(tile, rng):
     @jax.jit
     def grads_of_tile(i):
         w_tile, v_tile, first, owned = tile_at(i)
-        return tiles.tile_grads(jnp.asarray(e_n), w_tile, targets, v_tile, first, owned, margin, lse, g)
+        where = tiles.tile_columns(targets, v_tile, first, owned)
+        d_e, *row_grad = tiles.tile_grad_parts(jnp.asarray(e_n), w_tile, where, margin, lse, g)
+        return d_e, tiles.row_gradient(w_tile, *row_grad)
 
     d_e, d_w = np.zeros(e_n.shape), np.zeros(weight.shape)
     for i in range(n_tiles):

@@ -28,8 +28,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxcls import mesh as layout
 from jaxcls.fc.optimizers import SparseOptimizer, SparseState
-from jaxcls.fc.rows_backward import tile_backward
-from jaxcls.fc.rows_stats import tile_statistics_by_index
+from jaxcls.losses.rows_backward import tile_backward
+from jaxcls.losses.rows_stats import tile_statistics_by_index
 from jaxcls.fc.sampling import ClassSample, check_sample_rate, sample_classes
 from jaxcls.losses import tiles
 from jaxcls.losses.cross_entropy import combine_stats

@@ -11,7 +11,7 @@ D the embedding width and C the number of classes (see docs/loss.md):
   an all-reduce of the ``[C/W, D]`` weight gradient over ``data``.
 
 Nothing of size ``N × C`` ever crosses devices. The per-shard work is the tile kernel of
-``jaxcls.losses.tiles``.
+``jaxcls.losses.tiles`` (with ``chunk_size``, on CUDA GPUs, the row kernels of ``rows_stats`` and ``rows_backward``).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
+from jaxcls.losses import rows_backward, rows_stats
 from jaxcls.losses import tiles
 from jaxcls.losses.cross_entropy import class_parallel_cross_entropy, combine_stats
 from jaxcls.losses.margins import CombinedMargin
@@ -121,16 +122,19 @@ def _per_shard_loss(embeddings, weight, labels, row_classes, *, margin, class_ax
     return total / global_batch
 
 
-def _tile(weight, row_valid, i, chunk_size):
-    """Tile ``i`` of a contiguous weight block: ``(w_tile, valid, first, owned)``."""
+def _tile(weight, targets, row_valid, i, chunk_size):
+    """Tile ``i`` of a contiguous weight block: ``(its rows' local indices [T], where its columns stand, its rows as
+    stored: a function)``."""
     first, owned = tiles.tile_starts(weight.shape[0], chunk_size, i)
-    return (lax.dynamic_slice_in_dim(weight, first, chunk_size), lax.dynamic_slice_in_dim(row_valid, first, chunk_size),
-            first, owned)
+    where = tiles.tile_columns(targets, lax.dynamic_slice_in_dim(row_valid, first, chunk_size), first, owned)
+    return first + jnp.arange(chunk_size, dtype=jnp.int32), where, lambda: lax.dynamic_slice_in_dim(weight, first,
+                                                                                                   chunk_size)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _chunked_cross_entropy(e_n, weight, targets, row_valid, margin, axis_name, chunk_size):
-    """Per-example losses ``[N]`` like the unchunked path, holding one ``[N, chunk]`` tile at a time."""
+    """Per-example losses ``[N]`` like the unchunked path, holding one ``[N, chunk]`` tile at a time (on a CUDA GPU
+    in the kernels of ``jaxcls.losses.rows_stats`` and ``rows_backward``, which keep it on chip)."""
     return _chunked_forward(e_n, weight, targets, row_valid, margin, axis_name, chunk_size)[0]
 
 
@@ -138,8 +142,8 @@ def _chunked_forward(e_n, weight, targets, row_valid, margin, axis_name, chunk_s
     n_tiles = tiles.num_tiles(weight.shape[0], chunk_size)
 
     def stats_at(i):
-        w_tile, valid, first, owned = _tile(weight, row_valid, i, chunk_size)
-        return tiles.tile_statistics(e_n, w_tile, targets, valid, first, owned, margin)
+        index, where, rows = _tile(weight, targets, row_valid, i, chunk_size)
+        return rows_stats.tile_statistics_by_index(weight, index, where, e_n, margin, rows)
 
     stats = tiles.online_stats(e_n, n_tiles, stats_at)
     lse, loss = combine_stats(*stats, axis_name)
@@ -147,19 +151,25 @@ def _chunked_forward(e_n, weight, targets, row_valid, margin, axis_name, chunk_s
 
 
 def _chunked_backward(margin, axis_name, chunk_size, residuals, g):
+    """Each row's gradient is written once, by the tile that owns it, in the weight's dtype."""
     e_n, weight, targets, row_valid, lse = residuals
 
     def step(carry, i):
         d_e, d_w = carry
-        w_tile, valid, first, owned = _tile(weight, row_valid, i, chunk_size)
-        d_e_tile, d_w_tile = tiles.tile_grads(e_n, w_tile, targets, valid, first, owned, margin, lse, g)
-        d_w = lax.dynamic_update_slice_in_dim(d_w, lax.dynamic_slice_in_dim(d_w, first, chunk_size) + d_w_tile,
-                                              first, axis=0)
-        return (d_e + d_e_tile.astype(jnp.float32), d_w), None
+        index, where, rows = _tile(weight, targets, row_valid, i, chunk_size)
+        d_e_tile, (_, d_w) = rows_backward.tile_backward((weight, d_w), index, where, e_n, lse, g, margin, rows,
+                                                         where.kept, _write_gradient, reads=1)
+        return (d_e + d_e_tile, d_w), None
 
-    init = (jnp.zeros_like(e_n, jnp.float32), jnp.zeros_like(weight, jnp.float32))
+    init = (jnp.zeros_like(e_n, jnp.float32), jnp.zeros_like(weight))
     (d_e, d_w), _ = lax.scan(step, init, jnp.arange(tiles.num_tiles(weight.shape[0], chunk_size)))
-    return d_e.astype(e_n.dtype), d_w.astype(weight.dtype), None, None
+    return d_e.astype(e_n.dtype), d_w, None, None
+
+
+def _write_gradient(rows, row_grad):
+    """``rows_backward``'s rule that writes the rows' gradient (``rows``: the weight's and the gradient's)."""
+    weight, d_w = rows
+    return (tiles.row_gradient(weight, *row_grad).astype(d_w.dtype),)
 
 
 _chunked_cross_entropy.defvjp(_chunked_forward, _chunked_backward)

@@ -6,14 +6,17 @@ embeddings and ``targets`` ``[N]``, each label's row on this shard or -1. The ro
 of ``T``; tile ``i`` covers local rows ``[first, first + T)`` and *owns* those from ``owned`` on (the
 last tile is shifted back to stay in bounds and overlaps its predecessor; ``tile_starts``):
 
+* ``tile_columns``: where a tile's columns stand (``TileColumns``: each target's column, each column's number, the
+  columns the tile owns that are real classes);
 * ``tile_logits``: the margin logits ``[N, T]`` of one tile, non-owned and padding columns filled; the rows are
   read as stored (their products with ``e_n`` scaled by each row's ``inverse_norms``) and nothing ``[N, T]`` but
   the cosines and logits is made, so that XLA keeps the per-row traffic low (``benchmarks/fc_bytes_per_row.py``);
 * ``online_stats``: running max / sum of exp / target logit ``[N]`` over all tiles, one tile's at a time
-  (``tile_statistics``, or ``jaxcls.fc.rows_stats``' kernel; ``merge_stats`` combines two); ``cross_entropy.
+  (``tile_statistics``, or ``jaxcls.losses.rows_stats``' kernel; ``merge_stats`` combines two); ``cross_entropy.
   combine_stats`` then makes the global log-sum-exp with one ``pmax`` and two ``psum``;
-* ``tile_grads``: given that log-sum-exp, one tile's gradients w.r.t. ``e_n`` and the tile's rows (from
-  ``tile_grad_parts``, which leaves the rows' gradient in two parts for an update to combine: ``row_gradient``).
+* ``tile_grad_parts``: given that log-sum-exp, one tile's gradients w.r.t. ``e_n`` and the tile's rows, the rows'
+  left in two parts for an update to combine (``row_gradient``); ``cosine_grads``, the part of it that the kernels
+  of ``jaxcls.losses.rows_backward`` recompute on chip.
 
 Outside ``shard_map``: ``check_inputs`` (shapes, sharding, labels, before any work), ``validate_labels``,
 ``full_row_classes`` (row ``r`` of the full weight is class ``r``) and ``l2_normalize``.
@@ -250,17 +253,10 @@ def stats_in_separate_reads(logits, picked):
     return high, jnp.sum(jnp.exp(logits - high[:, None]), axis=1), jnp.sum(picked, axis=1)
 
 
-def tile_grads(e_n, w_tile, targets, valid, first, owned, margin: CombinedMargin, lse, g):
-    """Gradients ``(d e_n [N, D], d w_tile [T, D])`` of ``Σ_n g[n]·loss[n]`` through one tile, given the
-    global log-sum-exp ``lse`` ``[N]``."""
-    where = tile_columns(targets, valid, first, owned)
-    d_e, product, radial = tile_grad_parts(e_n, w_tile, where, margin, lse, g)
-    return d_e, row_gradient(w_tile, product, radial).astype(w_tile.dtype)
-
-
 def tile_grad_parts(e_n, w_tile, where: TileColumns, margin: CombinedMargin, lse, g):
-    """``tile_grads`` with the rows' gradient left in two parts: ``(d e_n, product, radial)``, the gradient w.r.t.
-    the rows ``row_gradient(w_tile, product, radial)``, so that an update can form it where it reads the rows.
+    """Gradients of ``Σ_n g[n]·loss[n]`` through one tile, given the global log-sum-exp ``lse`` ``[N]``: ``(d e_n
+    [N, D], product, radial)``, the gradient w.r.t. the rows (``w_tile`` ``[T, D]`` as stored) left in two parts,
+    ``row_gradient(w_tile, product, radial)``, so that an update can form it where it reads the rows.
 
     ``cos = (e_n · w) · r`` with ``r = 1/‖w‖``: ``∂/∂w = product − radial·w``, where ``product = (∂/∂cos · r)ᵀ e_n``
     ``[T, D]`` (in ``e_n``'s dtype, as ``cosines`` multiplies) and ``radial = r³ Σ_n ∂/∂cos · (e_n · w)`` ``[T]``

@@ -100,7 +100,7 @@ _IN_PLACE = {"scatter": 2, "dynamic-update-slice": 1}  # an op that updates its 
 
 
 def _rows_kernel_moved(line: str, operands: list[str], result_shape: str) -> int:
-    """Bytes of one of jaxcls's Pallas row kernels (``jaxcls.fc.rows_stats``, ``rows_backward``): of each array it
+    """Bytes of one of jaxcls's Pallas row kernels (``jaxcls.losses.rows_stats``, ``rows_backward``): of each array it
     indexes (an operand with more rows than its index, operand 0, or one that its outputs alias) only the index's
     rows, read once and, where aliased, written once; its other operands and results whole. (The statistics and the
     embeddings' gradient read a block of rows once per block of the batch, side by side: counted once, as XLA's own

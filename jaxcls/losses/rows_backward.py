@@ -33,8 +33,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pallas_triton
 
-from jaxcls.fc.kernel_forms import block_batch, block_columns, block_index, compiler_params, kernel_forms, run
-from jaxcls.fc.rows_stats import fits_a_block
+from jaxcls.losses.kernel_forms import block_batch, block_columns, block_index, compiler_params, kernel_forms, run
+from jaxcls.losses.rows_stats import fits_a_block
 from jaxcls.losses import tiles
 from jaxcls.losses.margins import CombinedMargin
 from jaxcls.mesh import varying_like
@@ -53,37 +53,40 @@ Rule = Callable[..., tuple]
 
 
 def tile_backward(arrays: tuple, index, where: tiles.TileColumns, e_n, lse, g, margin: CombinedMargin,
-                  gathered: Callable[[], jax.Array], keep=None, rule: Rule | None = None, *scalars):
+                  gathered: Callable[[], jax.Array], keep=None, rule: Rule | None = None, *scalars, reads: int = 0):
     """``(d_e [N, D] float32, arrays)``, see the module docstring.
 
     ``index`` ``[T]`` int32 distinct local rows; ``where`` the tile's columns (``tiles.tile_columns``); ``e_n``
     ``[N, D]`` normalized embeddings in the compute dtype; ``lse``, ``g`` ``[N]`` float32; ``keep`` ``[T]`` bool;
-    ``scalars``: 0-d arrays the rule needs (a learning rate, a step count). Donate ``arrays`` to the enclosing jit to
-    update them in place.
+    ``scalars``: 0-d arrays the rule needs (a learning rate, a step count). The first ``reads`` arrays are only read:
+    the rule gets the rows of every array and returns those of the others, which alone are written (e.g. the weight
+    read and its gradient written, ``sharded_margin_loss``' backward). Donate the written arrays to the enclosing jit
+    to update them in place.
     """
-    xla = partial(_xla_form, margin=margin, rule=rule, gathered=gathered)
+    xla = partial(_xla_form, margin=margin, rule=rule, gathered=gathered, reads=reads)
     args = (arrays, index, where, e_n, lse, g, keep, *scalars)
     if not (fits_a_block(arrays[0], e_n) and all(w & (w - 1) == 0 for a in arrays for w in a.shape[1:])):
         return xla(*args)
-    return run(_FORM, partial(_pallas_form, margin=margin, rule=rule), xla, *args)
+    return run(_FORM, partial(_pallas_form, margin=margin, rule=rule, reads=reads), xla, *args)
 
 
-def _xla_form(arrays, index, where, e_n, lse, g, keep, *scalars, margin, rule, gathered):
+def _xla_form(arrays, index, where, e_n, lse, g, keep, *scalars, margin, rule, gathered, reads):
     d_e, *row_grad = tiles.tile_grad_parts(e_n, gathered(), where, margin, lse, g)
     d_e = d_e.astype(jnp.float32)
     if keep is None:
         return d_e, arrays
     old = tuple(a[index] for a in arrays)
     new = rule(old, tuple(row_grad), *scalars)
-    return d_e, tuple(a.at[index].set(jnp.where(keep[:, None], n, o), unique_indices=True)
-                      for a, n, o in zip(arrays, new, old))
+    return d_e, arrays[:reads] + tuple(a.at[index].set(jnp.where(keep[:, None], n, o), unique_indices=True)
+                                       for a, n, o in zip(arrays[reads:], new, old[reads:]))
 
 
-def _pallas_form(arrays, index, where, e_n, lse, g, keep, *scalars, margin, rule, interpret: bool):
+def _pallas_form(arrays, index, where, e_n, lse, g, keep, *scalars, margin, rule, reads, interpret: bool):
     d_e = _embedding_grad(arrays[0], index, where, e_n, lse, g, margin, interpret)
     if keep is None:
         return d_e, arrays
-    return d_e, _update(arrays, index, where, e_n, lse, g, keep, scalars, margin, rule, interpret)
+    return d_e, arrays[:reads] + _update(arrays, index, where, e_n, lse, g, keep, scalars, margin, rule, reads,
+                                         interpret)
 
 
 def _product_dtype(e_dtype):
@@ -133,7 +136,7 @@ def _embedding_grad_kernel(index_ref, columns_ref, kept_ref, rel_ref, lse_ref, g
     out_ref[...] = d_e[None]
 
 
-def _update(arrays, index, where, e_n, lse, g, keep, scalars, margin, rule, interpret):
+def _update(arrays, index, where, e_n, lse, g, keep, scalars, margin, rule, reads, interpret):
     index = block_index(index, UPDATE_BLOCK_ROWS)  # padding rows: copies of the last, storing what it stores
     where = block_columns(where, UPDATE_BLOCK_ROWS, copies=True)
     keep = jnp.pad(keep, (0, index.shape[0] - keep.shape[0]), mode="edge")
@@ -143,21 +146,22 @@ def _update(arrays, index, where, e_n, lse, g, keep, scalars, margin, rule, inte
     whole = lambda x: pl.BlockSpec(x.shape, lambda i: (0,) * x.ndim)
     vectors = (index, where.columns, where.kept, keep)
     batch = (rel, lse, g, e_n)
+    written = arrays[reads:]
     return tuple(pl.pallas_call(
-        partial(_update_kernel, margin=margin, rule=rule, num_scalars=len(scalars), num_arrays=len(arrays)),
+        partial(_update_kernel, margin=margin, rule=rule, num_scalars=len(scalars), num_written=len(written)),
         grid=(index.shape[0] // UPDATE_BLOCK_ROWS,),
         in_specs=[rows] * len(vectors) + [whole(x) for x in (*batch, *scalars, *arrays)],
-        out_specs=[whole(a) for a in arrays],
-        out_shape=[varying_like(a) for a in arrays],
-        input_output_aliases={len(vectors) + len(batch) + len(scalars) + i: i for i in range(len(arrays))},
+        out_specs=[whole(a) for a in written],
+        out_shape=[varying_like(a) for a in written],
+        input_output_aliases={len(vectors) + len(batch) + len(scalars) + reads + i: i for i in range(len(written))},
         interpret=interpret, name="rows_update",
         compiler_params=compiler_params(interpret),
     )(*vectors, *batch, *scalars, *arrays))
 
 
 def _update_kernel(index_ref, columns_ref, kept_ref, keep_ref, rel_ref, lse_ref, g_ref, e_ref, *refs, margin, rule,
-                   num_scalars, num_arrays):
-    scalar_refs, array_refs, out_refs = refs[:num_scalars], refs[num_scalars:-num_arrays], refs[-num_arrays:]
+                   num_scalars, num_written):
+    scalar_refs, array_refs, out_refs = refs[:num_scalars], refs[num_scalars:-num_written], refs[-num_written:]
     index = index_ref[...]
     old = tuple(a[index, :] for a in array_refs)
     rows = old[0].astype(jnp.float32)
@@ -182,5 +186,5 @@ def _update_kernel(index_ref, columns_ref, kept_ref, keep_ref, rel_ref, lse_ref,
     row_grad = product.astype(e_ref.dtype), tiles.radial_part(d_inverse, inverse, squares)
     new = rule(old, row_grad, *(s[0] for s in scalar_refs))
     keep = keep_ref[...]
-    for out, n, o in zip(out_refs, new, old):
+    for out, n, o in zip(out_refs, new, old[len(old) - num_written:]):
         out[index, :] = jnp.where(keep[:, None], n, o)

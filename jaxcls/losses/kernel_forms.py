@@ -1,4 +1,4 @@
-"""What jaxcls's Pallas row kernels (``jaxcls.fc.rows_stats``, ``rows_backward``) share: their forms and how one is
+"""What jaxcls's Pallas row kernels (``jaxcls.losses.rows_stats``, ``rows_backward``) share: their forms and how one is
 chosen, the index they read rows by, their Triton settings."""
 
 from __future__ import annotations
