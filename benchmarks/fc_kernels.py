@@ -3,6 +3,8 @@ rows update (``jaxcls.losses.rows_backward``), on one tile of sampled rows.
 
     python benchmarks/fc_kernels.py           # on a GPU: XLA's form and the Triton kernel
     python benchmarks/fc_kernels.py --small   # on a CPU: XLA's form and the kernel in Pallas' interpreter
+    python benchmarks/fc_kernels.py --set rows_backward.UPDATE_BLOCK_ROWS=32 --set rows_backward.UPDATE_WARPS=8
+                                              # other block sizes and warps than the modules' (each row says which)
 
 Rows (``kernel``, ``case``, ``form``): the median ms of one call, synchronized, after warm-up (the update steps the
 same ``[C, D]`` weight and slots in place, call after call); the bytes the call must move at the least over that
@@ -118,16 +120,32 @@ def _relative(a, b, before) -> float:
     return float(np.max(np.abs(a64 - b64)) / max(np.max(np.abs(b64 - before64)), np.finfo(np.float64).tiny))
 
 
+def _override(setting: str) -> tuple[str, int]:
+    """Set ``MODULE.NAME=INT`` (an upper-case constant of ``jaxcls.losses.MODULE``); returns the pair."""
+    name, _, value = setting.partition("=")
+    module, _, constant = name.partition(".")
+    target = {"rows_stats": rows_stats, "rows_backward": rows_backward}.get(module)
+    if target is None or not constant.isupper() or not isinstance(getattr(target, constant, None), int):
+        raise SystemExit(f"--set {setting}: expected rows_stats.NAME=INT or rows_backward.NAME=INT, NAME one of their "
+                         f"upper-case integer constants")
+    setattr(target, constant, int(value))
+    return name, int(value)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="C = 4,096, D = 64, T = 1,000, N = 100, 3 timed calls")
+    parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=INT",
+                        help="a block size or warp count of jaxcls.losses.rows_stats or rows_backward")
     parser.add_argument("--out", default="fc_kernels.json")
     args = parser.parse_args()
+    settings = dict(_override(setting) for setting in args.set)
     sizes = (4096, 64, 1000, 100, 3, 1) if args.small else (1_048_576, 512, 65_536, 128, 40, 15)
     forms = ["xla", "pallas" if jax.devices()[0].platform == "gpu" else "pallas_interpret"]
     rng = np.random.default_rng(0)
     rows = [stats_row(dtype, form, *sizes, rng) for dtype in STATISTICS for form in forms]
     rows += [backward_row(case, form, *sizes, rng) for case in UPDATES for form in forms]
+    rows = [dict(row, settings=settings) for row in rows]
     print_table(rows, ["kernel", "case", "form", "ms", "least_GB_per_s", "diff_vs_xla", "d_e_diff_vs_xla"])
     write_json(args.out, rows)
 

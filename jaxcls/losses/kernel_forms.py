@@ -59,6 +59,6 @@ def block_batch(block: int, e_n, rel, lse=None, g=None) -> tuple:
     return padded
 
 
-def compiler_params(interpret: bool, num_warps: int = 4):
+def compiler_params(interpret: bool, num_warps: int):
     """Triton's settings (untuned: no GPU has timed them yet); none for the interpreter."""
     return None if interpret else pallas_triton.CompilerParams(num_warps=num_warps, num_stages=1)

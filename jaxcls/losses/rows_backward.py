@@ -42,8 +42,11 @@ from jaxcls.mesh import varying_like
 GRAD_BLOCK_BATCH = 32  # embeddings per program of the embeddings' gradient
 GRAD_BLOCK_ROWS = 32  # rows it multiplies at a time
 GRAD_PROGRAMS = 256  # it splits the tile's rows into shares until about this many programs run
-UPDATE_BLOCK_ROWS = 16  # rows per program of the update (Triton's products need 16 or more)
-UPDATE_BLOCK_BATCH = 32  # embeddings it multiplies at a time
+GRAD_WARPS = 8  # Triton's warps per program: its [32, D] float32 sum is large
+UPDATE_BLOCK_ROWS = 16  # rows per program of the update (Triton's products need 16 or more); each program reads
+UPDATE_BLOCK_BATCH = 32  # the whole batch, this many embeddings at a time (from L2: N·D per block of rows)
+UPDATE_WARPS = 4
+# Untuned: no GPU has run these kernels yet (benchmarks/fc_kernels.py --set rows_backward.NAME=VALUE tries others).
 _FORM = kernel_forms("rows-backward form")
 forced = _FORM.forced  # forced(form): within the block, trace every tile_backward in that form (None: by platform)
 
@@ -112,7 +115,7 @@ def _embedding_grad(weight, index, where, e_n, lse, g, margin, interpret):
         out_specs=pl.BlockSpec((1, GRAD_BLOCK_BATCH, d), lambda b, s: (s, b, 0)),
         out_shape=varying_like(e_n, (shares, *e_n.shape), jnp.float32),
         interpret=interpret, name="rows_embedding_grad",
-        compiler_params=compiler_params(interpret, num_warps=8),
+        compiler_params=compiler_params(interpret, GRAD_WARPS),
     )(index, where.columns, where.kept, rel, lse, g, e_n, weight)
     return jnp.sum(partial_sums, axis=0)[:n]
 
@@ -155,7 +158,7 @@ def _update(arrays, index, where, e_n, lse, g, keep, scalars, margin, rule, read
         out_shape=[varying_like(a) for a in written],
         input_output_aliases={len(vectors) + len(batch) + len(scalars) + reads + i: i for i in range(len(written))},
         interpret=interpret, name="rows_update",
-        compiler_params=compiler_params(interpret),
+        compiler_params=compiler_params(interpret, UPDATE_WARPS),
     )(*vectors, *batch, *scalars, *arrays))
 
 
