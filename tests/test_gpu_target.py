@@ -12,8 +12,13 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import pytest
+from jax.sharding import SingleDeviceSharding
 
+from jaxcls.fc.head import optimizer_rule
+from jaxcls.fc.optimizers import adamw, sgd
+from jaxcls.losses import MARGINS, rows_backward, rows_stats, tiles
 from jaxcls.plan import gpu_target
 from jaxcls.plan.hlo import collectives, computations
 from jaxcls.plan.kernels import kernels
@@ -100,9 +105,9 @@ def test_the_tile_loop_writes_no_tile_sized_array():
 @pytest.mark.gpu_target
 @pytest.mark.parametrize("fc_state_dtype", ["same", "int8"])
 def test_the_fc_rows_are_read_by_index_and_updated_by_kernels_that_touch_each_once(fc_state_dtype):
-    """On a GPU the statistics pass is jaxcls.losses.rows_stats' Triton kernel and the backward rows_backward's two, each
-    run once per tile: no gathered copy of the rows or of the optimizer state, no scatter, no row gradient written,
-    the update in place."""
+    """On a GPU the statistics pass is jaxcls.losses.rows_stats' Triton kernel and the backward rows_backward's two,
+    each run once per tile: no gathered copy of the rows or of the optimizer state, no scatter, no row gradient
+    written, the update in place."""
     text = compiled_at(ROWS[0], fc_state_dtype)[1].as_text()
     found = kernels(text)
     for kernel in ("rows_stats", "rows_embedding_grad", "rows_update"):
@@ -130,6 +135,36 @@ def test_the_fc_path_moves_at_most_8_kb_per_sampled_row():
                                           for classes in (4_000_000, 16_000_000))
     per_row = (sum(high.values()) - sum(low.values())) / (high_rows - low_rows) / 1024
     assert 5 < per_row <= 8, per_row
+
+
+@pytest.mark.gpu_target
+@pytest.mark.parametrize("optimizer,weight,state,embeddings,margin", [
+    ("sgd", "bfloat16", "bfloat16", "bfloat16", "arcface"), ("sgd", "bfloat16", "int8", "float16", "sphereface"),
+    ("sgd", "float32", "float32", "bfloat16", "cosface"), ("adamw", "float32", "float32", "float16", "arcface")])
+def test_the_row_kernels_compile_for_an_h100_at_full_size(optimizer, weight, state, embeddings, margin):
+    """Each FC row kernel (statistics, embeddings' gradient, update) through Triton for an H100 at D = 512, a 65,536-row
+    tile, N = 128, for each optimizer rule, storage, compute dtype and margin family (acos for SphereFace): a rule or
+    margin with an operation Triton lacks, or a block too large for an SM, fails here rather than in a lease."""
+    device = gpu_target.gpu_devices("h100", 1)[0]
+    at = lambda shape, dtype: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=SingleDeviceSharding(device))
+    c, d, t, n = 1 << 20, 512, 65_536, 128
+    rule_of = {"sgd": sgd, "adamw": adamw}[optimizer](state_dtype=state)
+    slots = jax.eval_shape(lambda w: rule_of.init(w).slots, jax.ShapeDtypeStruct((c, d), jnp.dtype(weight)))
+    arrays = (at((c, d), weight), *(at(s.shape, s.dtype) for s in slots))
+    margin = MARGINS[margin]()
+
+    def step(arrays, index, targets, valid, e_n, lse, g, lr, count):
+        where = tiles.tile_columns(targets, valid, 0, 0)
+        stats = rows_stats.tile_statistics_by_index(arrays[0], index, where, e_n, margin, lambda: arrays[0][index])
+        return stats, rows_backward.tile_backward(arrays, index, where, e_n, lse, g, margin, lambda: arrays[0][index],
+                                                  where.kept, optimizer_rule(rule_of), lr, count)
+
+    compiled = jax.jit(step, donate_argnums=0).trace(
+        arrays, at((t,), "int32"), at((n,), "int32"), at((t,), "bool"), at((n, d), embeddings), at((n,), "float32"),
+        at((n,), "float32"), at((), "float32"), at((), "int32")).lower().compile()
+    text = compiled.as_text()
+    for kernel in ("rows_stats", "rows_embedding_grad", "rows_update"):
+        assert f'name = "{kernel}"' in text, kernel
 
 
 @pytest.mark.slow
