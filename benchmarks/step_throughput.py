@@ -25,7 +25,7 @@ import itertools
 
 from jaxcls.bench import print_table, select, time_train_step, write_json
 from jaxcls.config import benchmark_config
-from jaxcls.losses import kernel_forms, rows_backward, rows_stats
+from jaxcls.losses import rows_backward, rows_stats
 from jaxcls.models import grouped_conv
 from jaxcls.startup import simulate_cpu_devices
 
@@ -44,8 +44,8 @@ def main():
     parser.add_argument("--set", action="append", default=[], help="config override key=value")
     parser.add_argument("--grouped-conv", choices=grouped_conv.LOWERINGS, default=None,
                         help="one lowering for every grouped convolution (default: each platform's own)")
-    parser.add_argument("--fc-kernels", choices=kernel_forms.FORMS, default=None,
-                        help="one form for the FC path's row kernels (default: each platform's own)")
+    parser.add_argument("--fc-kernels", choices=["xla"], default=None,
+                        help="xla: the FC path without its row kernels (default: each platform's own form)")
     parser.add_argument("--out", default="benchmarks/results/step_throughput.json")
     args = parser.parse_args()
     if args.small or args.cpu:

@@ -108,6 +108,12 @@ def varying_like(x, shape=None, dtype=None) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, vma=aval.vma)
 
 
+def varying_axes(x) -> frozenset:
+    """The mesh axes ``x`` varies over inside ``shard_map`` (empty outside)."""
+    aval = jax.typeof(x)
+    return aval.manual_axis_type.varying if hasattr(aval, "manual_axis_type") else frozenset(aval.vma)
+
+
 def host_rows(mesh: Mesh, global_batch: int) -> tuple[int, int]:
     """``(start, stop)``: the rows of a global batch that this process's devices hold in the batch sharding.
 

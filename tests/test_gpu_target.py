@@ -67,7 +67,7 @@ def test_the_fc_update_is_in_place_and_no_collective_grows_with_the_classes(fc_s
 def test_the_tile_loop_writes_no_tile_sized_array():
     """In the FC step's tile loops no kernel writes a [T, D] array: no normalized copy of the rows (the cosines are
     scaled by each row's inverse norm; the copy cost 4.4 of the 28.8 KB per sampled row that the step moved at batch
-    128, D = 512, benchmarks/fc_bytes_per_row.py), no gathered copy and no gradient of them (jaxcls.fc's kernels
+    128, D = 512, benchmarks/fc_bytes_per_row.py), no gathered copy and no gradient of them (jaxcls.losses' row kernels
     read the rows by index and form their gradient where they update them); nor an [N, T] array of logits, their
     gradient or their statistics' terms (the kernels keep them on chip)."""
     text = compiled_at(ROWS[0])[1].as_text()

@@ -1,7 +1,7 @@
-"""``jaxcls.losses.rows_backward``: a tile's embedding gradient and the rows' optimizer step, by the Pallas kernels (run by
-Pallas' interpreter here) and by XLA's form, against float64. (Pallas' interpreter cannot run inside ``shard_map``,
-where FCHead.step calls it: test_fc holds the step to float64 with XLA's form, and test_gpu_target finds the kernels
-in the step compiled for an H100.)"""
+"""``jaxcls.losses.rows_backward``: a tile's embedding gradient and the rows' gradient or optimizer step, by the Pallas
+kernels (run by Pallas' interpreter here) and by XLA's form, against float64. (Pallas' interpreter cannot run inside
+``shard_map``, where FCHead.step and the chunked loss call it: test_fc and test_sharded hold those to float64 with
+XLA's form, and test_gpu_target finds the kernels in the step compiled for an H100.)"""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +10,9 @@ import pytest
 
 from jaxcls.fc.head import optimizer_rule
 from jaxcls.fc.optimizers import adamw, decode, encode, sgd
-from jaxcls.losses import rows_backward, tiles
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxcls.losses import kernel_forms, rows_backward, tiles
 from reference import MARGINS, adamw_step, margin_target, rel_err, sgd_step
 
 FORMS = ("xla", "pallas_interpret")
@@ -19,12 +21,14 @@ FORMS = ("xla", "pallas_interpret")
 def draw_tile(rng, dtype):
     """A weight ``[c, 32]`` as stored, a tile of ``t`` of its rows (sorted, distinct; the last may be padding
     classes, the first owned by the previous tile) and a batch of ``n`` normalized embeddings whose targets lie in
-    the tile, beyond it or elsewhere; the last real row is a target, so that the kernels' padding copies of it must
-    store what it stores. ``t`` and ``n`` are rarely multiples of the kernels' blocks."""
-    c, d, n, t = int(rng.integers(150, 300)), 32, int(rng.integers(20, 70)), int(rng.integers(20, 70))
+    the tile, beyond it or elsewhere; the last real row is a target. ``t`` is no multiple of the update kernel's 16
+    rows, so its padding copies the last row, which in half the draws is a real class whose copies must store what
+    it stores; ``n`` is rarely a multiple of the kernels' blocks of embeddings."""
+    c, d, n, t = int(rng.integers(150, 300)), 32, int(rng.integers(20, 70)), 16 * int(rng.integers(1, 4)) + int(
+        rng.integers(1, 16))
     weight = jnp.asarray(rng.normal(size=(c, d)), dtype)
     index = jnp.asarray(np.sort(rng.choice(c, t, replace=False)), jnp.int32)
-    real = t - int(rng.integers(0, 4))
+    real = t - (0 if rng.random() < 0.5 else int(rng.integers(1, 4)))
     first = int(rng.integers(0, 1000))
     owned = first + int(rng.integers(0, t // 3))
     e = rng.normal(size=(n, d))
@@ -76,20 +80,28 @@ def gradient_rule(rows, row_grad):
     return (tiles.row_gradient(rows[0], *row_grad),)
 
 
+def random_keep(rng, where):
+    """Most of the kept columns, always the last (the row that the update kernel's padding copies)."""
+    return (jnp.asarray(rng.random(where.kept.shape[0]) < 0.8).at[-1].set(True)) & where.kept
+
+
 @pytest.mark.parametrize("margin", ["arcface", "cosface", "sphereface"])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_both_forms_give_the_float64_gradients_of_the_embeddings_and_the_kept_rows(margin, dtype, rng):
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("programs", [rows_backward.GRAD_PROGRAMS, 2])  # 2: each share several blocks of rows
+def test_both_forms_give_the_float64_gradients_of_the_embeddings_and_the_kept_rows(margin, dtype, programs, rng,
+                                                                                   monkeypatch):
+    monkeypatch.setattr(rows_backward, "GRAD_PROGRAMS", programs)
     margin = MARGINS[margin]
     weight, index, where, e_n = draw_tile(rng, dtype)
     lse = tile_lse(e_n, weight[index], margin, where, rng)
     g = rng.uniform(0.5, 2.0, len(e_n))
-    keep = jnp.asarray(rng.random(len(index)) < 0.8) & where.kept
+    keep = random_keep(rng, where)
     with jax.enable_x64(True):
         want_e, want_w = jax.grad(float64_loss(margin, where, lse, g), argnums=(0, 1))(
             np.asarray(e_n, np.float64), np.asarray(weight[index], np.float64))
     rows, kept = np.asarray(index), np.asarray(keep)
-    # float32 cosines of s = 64 logits, or bfloat16 products (8 bits) rounded once per tile
-    tolerance = 1e-4 if dtype == jnp.float32 else 3e-2
+    # float32 cosines of s = 64 logits, or 16-bit embeddings and rows (bfloat16: 8 bits) rounded once per tile
+    tolerance = {jnp.float32: 1e-4, jnp.bfloat16: 3e-2, jnp.float16: 5e-3}[dtype]
     for form in FORMS:
         sink = jnp.zeros(weight.shape, jnp.float32)
         d_e, (same, grads) = backward(form, (weight, sink), index, where, e_n, jnp.asarray(lse, jnp.float32),
@@ -128,7 +140,7 @@ def test_both_forms_step_the_kept_rows_as_the_float64_optimizer_and_leave_the_re
     arrays = (weight, *(a for m in moments for a in encode(jnp.asarray(m, jnp.float32), jnp.dtype(state_dtype))))
     lse = tile_lse(e_n, weight[index], margin, where, rng)
     g = rng.uniform(0.5, 2.0, len(e_n))
-    keep = jnp.asarray(rng.random(len(index)) < 0.8) & where.kept
+    keep = random_keep(rng, where)
     lr, count = float(rng.uniform(0.01, 0.5)), int(rng.integers(1, 20))
     per_slot = (len(arrays) - 1) // optimizer.num_slots
     before = as_float64(arrays, per_slot)
@@ -170,3 +182,39 @@ def test_the_kernels_are_used_only_where_they_can_be(rng):
     with pytest.raises(ValueError, match="unknown rows-backward form 'triton': expected one of xla, "):
         with rows_backward.forced("triton"):
             pass
+
+
+def test_the_kernels_padding_copies_the_last_row_where_it_stores_and_counts_nothing_where_it_sums(rng):
+    """The update kernel pads a tile with copies of its last row, column and keep, so that each copy stores what the
+    row stores (two stores to one address in one program: only equal values make that safe on a GPU, and Pallas'
+    interpreter cannot show a race); the kernels that sum over rows pad with columns that are neither kept nor a
+    target."""
+    t = int(rng.integers(17, 31))
+    targets = jnp.asarray(rng.integers(-1, t, 40), jnp.int32).at[0].set(t - 1)
+    where = tiles.tile_columns(targets, jnp.asarray(rng.random(t) < 0.7).at[-1].set(True), 0, 0)
+    index = kernel_forms.block_index(jnp.asarray(np.sort(rng.choice(500, t, replace=False)), jnp.int32), 16)
+    copies = kernel_forms.block_columns(where, 16, copies=True)
+    assert index.shape == copies.columns.shape == copies.kept.shape == (32,)
+    for padded in (index, copies.columns, copies.kept):
+        assert np.all(np.asarray(padded)[t:] == np.asarray(padded)[t - 1])
+    inert = kernel_forms.block_columns(where, 16, copies=False)
+    assert not np.any(np.asarray(inert.kept)[t:])
+    assert not np.any(np.asarray(inert.columns)[t:, None] == np.asarray(where.rel)[None, :])
+
+
+def test_rows_replicated_over_axes_that_hold_other_embeddings_take_xlas_form():
+    """With class_axes=('class',) on a (data=2, class=4) mesh each data replica of the rows sees other embeddings:
+    the rows' gradient is their sum over data, which autodiff forms in XLA's form and no kernel sees."""
+    mesh = jax.make_mesh((2, 4), ("data", "class"))
+    where = tiles.tile_columns(jnp.zeros(2, jnp.int32), jnp.ones(8, bool), 0, 0)
+    placed = lambda shape, spec: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
+
+    def traced(weight_spec):
+        def step(weight, e_n):
+            return backward("pallas_interpret", (weight,), jnp.arange(8), where, e_n, jnp.zeros(2), jnp.zeros(2),
+                            MARGINS["cosface"], jnp.ones(8, bool), lambda rows, _: rows)[0]
+        shard = jax.shard_map(step, mesh=mesh, in_specs=(weight_spec, P(("data", "class"))),
+                              out_specs=P(("data", "class")))
+        return str(jax.jit(shard).trace(placed((64, 32), weight_spec), placed((16, 32), P(("data", "class")))).jaxpr)
+    assert traced(P(("data", "class"))).count("pallas_call") == 2
+    assert "pallas_call" not in traced(P("class"))

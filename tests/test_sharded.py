@@ -76,6 +76,23 @@ def test_chunked_equals_unchunked(mesh_shape, class_axes, rng):
     check_against_reference(emb, weight, labels, c, margin, chunked, tol=1e-5)
 
 
+@pytest.mark.parametrize("class_axes", [("data", "class"), ("class",)], ids=str)
+def test_chunked_tiles_that_overlap_give_every_row_its_gradient_once(class_axes, rng):
+    """7 rows a shard in tiles of 3: [0, 3), [3, 6) and [4, 7), which owns only row 6; labels on the overlapping rows
+    4 and 5 of every shard. Each row's gradient is written by the tile that owns it, whatever the others hold."""
+    mesh = make_mesh(2, 4)
+    shards = class_shards(mesh, class_axes)
+    emb, weight, _, c = make_problem(rng, mesh, class_axes)
+    weight = init_weight(jax.random.key(int(rng.integers(2**31))), 7 * shards, emb.shape[1], mesh, class_axes,
+                         stddev=1.0)
+    c = 7 * shards
+    labels = 7 * rng.integers(0, shards, emb.shape[0]) + rng.choice([4, 5, 6, 0], emb.shape[0])
+    labels = jax.device_put(labels.astype(np.int32), batch_sharding(mesh))
+    margin = MARGINS["arcface"]
+    result = loss_and_grads(emb, weight, labels, margin, mesh, c, class_axes=class_axes, chunk_size=3)
+    check_against_reference(emb, weight, labels, c, margin, result, tol=1e-5)
+
+
 @pytest.mark.parametrize("chunk_size", [None, 3])
 @pytest.mark.parametrize("mesh_shape", [(2, 4), (4, 2)], ids=str)
 def test_class_only_layout_matches_reference(mesh_shape, chunk_size, rng):

@@ -49,7 +49,7 @@ def test_online_stats_equal_dense_logsumexp(margin, tile, rng):
     e_n, weight, valid, targets, tile_at, n_tiles = tile_walk(rng, tile)
     def stats_at(e, i):
         w_tile, v_tile, first, owned = tile_at(i)
-        return tiles.tile_statistics(e, w_tile, targets, v_tile, first, owned, MARGINS[margin])
+        return tiles.tile_statistics(e, w_tile, tiles.tile_columns(targets, v_tile, first, owned), MARGINS[margin])
     row_max, row_sum, target = jax.jit(lambda e: tiles.online_stats(e, n_tiles, lambda i: stats_at(e, i)))(e_n)
     logits, ref_target = dense_logits(e_n, weight, valid, targets, MARGINS[margin])
     ref_lse = np.log(np.sum(np.exp(logits - logits.max(1, keepdims=True)), 1)) + logits.max(1)

@@ -1,7 +1,9 @@
 """Margin losses and the class-parallel softmax cross-entropy.
 
 ``margins`` (the margin formulas) → ``cross_entropy`` (the inner op over a sharded class axis) → ``tiles``
-(the per-shard tile kernel) → ``sharded`` (``sharded_margin_loss``, the loss for user code). The layout
+(the per-shard tile kernel) → ``kernel_forms``, ``rows_stats``, ``rows_backward`` (a tile straight from the rows
+picked by index: Pallas kernels on CUDA GPUs, XLA elsewhere; ``FCHead.step`` runs them too) → ``sharded``
+(``sharded_margin_loss``, the loss for user code). The layout
 helpers (``weight_sharding``, ``padded_num_classes``, ``class_shards``) live in ``jaxcls.mesh``.
 """
 

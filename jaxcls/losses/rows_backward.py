@@ -13,11 +13,14 @@ gradient in ``tiles.tile_grad_parts``' two parts. Two forms compute it, chosen b
   written). The first gives ``d_e``: each program owns a block of embeddings and a share of the tile's rows, and
   writes its partial sum, which XLA adds. The second, one program per block of rows, sums the rows' gradient over
   the batch, applies ``rule`` in registers and stores the rows back in place. It runs after the first, which needs
-  the rows as they were.
-- ``"xla"`` (every other platform, and rows a Triton block does not fit): ``gathered()`` (the rows as the caller
-  reads them), ``tiles.tile_grad_parts``, and per array a gather and a scatter (``array.at[index].set``).
+  the rows as they were. ``d_e`` stays float32 over the whole tile (XLA's form rounds it to the embeddings' dtype).
+- ``"xla"`` (every other platform; rows a Triton block does not fit; and rows replicated over mesh axes that hold
+  other embeddings, whose gradient is a sum over devices that autodiff forms and no kernel sees): ``gathered()`` (the
+  rows as the caller reads them), ``tiles.tile_grad_parts``, and per array a gather and a scatter
+  (``array.at[index].set``).
 
-Without ``keep`` only ``d_e`` is computed and ``arrays`` come back untouched. ``forced(form)`` picks one form while
+Without ``keep`` only ``d_e`` is computed and ``arrays`` come back untouched. With ``reads=k`` the first ``k`` arrays
+are only read (the loss's backward reads the weight and writes its gradient). ``forced(form)`` picks one form while
 tracing; ``"pallas_interpret"`` runs the kernels in Pallas' interpreter on any platform (outside ``shard_map`` only),
 which is how the tests hold them to XLA's form and to float64.
 """
@@ -37,7 +40,7 @@ from jaxcls.losses.kernel_forms import block_batch, block_columns, block_index, 
 from jaxcls.losses.rows_stats import fits_a_block
 from jaxcls.losses import tiles
 from jaxcls.losses.margins import CombinedMargin
-from jaxcls.mesh import varying_like
+from jaxcls.mesh import varying_axes, varying_like
 
 GRAD_BLOCK_BATCH = 32  # embeddings per program of the embeddings' gradient
 GRAD_BLOCK_ROWS = 32  # rows it multiplies at a time
@@ -69,6 +72,10 @@ def tile_backward(arrays: tuple, index, where: tiles.TileColumns, e_n, lse, g, m
     xla = partial(_xla_form, margin=margin, rule=rule, gathered=gathered, reads=reads)
     args = (arrays, index, where, e_n, lse, g, keep, *scalars)
     if not (fits_a_block(arrays[0], e_n) and all(w & (w - 1) == 0 for a in arrays for w in a.shape[1:])):
+        return xla(*args)
+    if keep is not None and varying_axes(e_n) - varying_axes(arrays[0]):
+        # rows replicated over mesh axes that hold other embeddings (class_axes=('class',) with data > 1): their
+        # gradient is a sum over those devices, which autodiff forms in XLA's form and no kernel sees
         return xla(*args)
     return run(_FORM, partial(_pallas_form, margin=margin, rule=rule, reads=reads), xla, *args)
 

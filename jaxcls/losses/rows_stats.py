@@ -8,7 +8,8 @@
   and their statistics on chip and writes three ``[BLOCK_BATCH]`` vectors; XLA merges the blocks. XLA's form writes
   the gathered rows (with their norms) and the ``[N, T]`` float32 cosines to memory and reads both back.
 - ``"xla"`` (every other platform, and rows or batches a Triton block does not fit): ``gathered()``, the rows as
-  the caller reads them, through ``tiles.tile_statistics``.
+  the caller reads them, through ``tiles.tile_statistics``. (Per-example statistics: rows replicated over mesh axes
+  that hold other embeddings need nothing summed, so the kernel serves every layout.)
 
 ``forced(form)`` picks one while tracing; ``"pallas_interpret"`` runs the kernel in Pallas' interpreter (outside
 ``shard_map`` only), which is how the tests hold it to XLA's form and to float64.
@@ -43,7 +44,7 @@ def tile_statistics_by_index(weight, index, where: tiles.TileColumns, e_n, margi
     """``tiles.tile_statistics`` of the rows ``weight[index]``: ``(max, Σ exp, target)`` ``[N]`` float32 of the tile of
     rows ``index`` (``[T]`` int32 local rows) of ``weight`` ``[C_local, D]``, whose columns stand as ``where`` says
     (``tiles.tile_columns``). ``gathered()`` gives ``weight[index]`` as the caller stores it (XLA's form)."""
-    xla = lambda *args: tiles.statistics_of_cosines(tiles.tile_cosines(e_n, gathered()), where, margin)
+    xla = lambda *args: tiles.tile_statistics(e_n, gathered(), where, margin)
     if not fits_a_block(weight, e_n):
         return xla()
     return run(_FORM, partial(_pallas_form, margin=margin), xla, weight, index, where, e_n)

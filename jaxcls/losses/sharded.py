@@ -93,8 +93,11 @@ def sharded_margin_loss(embeddings: jax.Array, weight: jax.Array, labels: jax.Ar
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     if row_classes is None:
         row_classes = tiles.full_row_classes(weight.shape[0], mesh, class_axes)
+    # XLA:CPU cannot scatter into a 16-bit float array in place (it converts the whole array, every tile): there the
+    # chunked loss writes its weight gradient in float32
+    grad_dtype = jnp.dtype(jnp.float32 if mesh.devices.flat[0].platform == "cpu" else weight.dtype)
     per_shard = partial(_per_shard_loss, margin=margin, class_axes=class_axes, num_classes=num_classes,
-                        chunk_size=chunk_size, global_batch=embeddings.shape[0])
+                        chunk_size=chunk_size, global_batch=embeddings.shape[0], grad_dtype=grad_dtype)
     loss = jax.shard_map(per_shard, mesh=mesh,
                          in_specs=(BATCH_ROWS, weight_spec(class_axes), BATCH, row_spec(class_axes)),
                          out_specs=P())(embeddings, weight, labels.astype(jnp.int32), row_classes)
@@ -102,7 +105,7 @@ def sharded_margin_loss(embeddings: jax.Array, weight: jax.Array, labels: jax.Ar
     return jnp.where(invalid, jnp.nan, loss)
 
 
-def _per_shard_loss(embeddings, weight, labels, row_classes, *, margin, class_axes, num_classes, chunk_size,
+def _per_shard_loss(embeddings, weight, labels, row_classes, *, margin, class_axes, num_classes, chunk_size, grad_dtype,
                     global_batch):
     """Inside shard_map: embeddings [N/W_all, D], weight [R_local, D], labels [N/W_all], row_classes [R_local]."""
     replica_axes = data_axes(class_axes)
@@ -115,7 +118,7 @@ def _per_shard_loss(embeddings, weight, labels, row_classes, *, margin, class_ax
         logits, rel = tiles.tile_logits(e_n, weight, targets, row_valid, 0, 0, margin)
         losses = class_parallel_cross_entropy(logits, rel, class_axes)
     else:
-        losses = _chunked_cross_entropy(e_n, weight, targets, row_valid, margin, class_axes, chunk_size)
+        losses = _chunked_cross_entropy(e_n, weight, targets, row_valid, margin, class_axes, chunk_size, grad_dtype)
     total = jnp.sum(losses)
     if replica_axes:
         total = lax.psum(total, replica_axes)
@@ -131,14 +134,15 @@ def _tile(weight, targets, row_valid, i, chunk_size):
                                                                                                    chunk_size)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _chunked_cross_entropy(e_n, weight, targets, row_valid, margin, axis_name, chunk_size):
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _chunked_cross_entropy(e_n, weight, targets, row_valid, margin, axis_name, chunk_size, grad_dtype):
     """Per-example losses ``[N]`` like the unchunked path, holding one ``[N, chunk]`` tile at a time (on a CUDA GPU
-    in the kernels of ``jaxcls.losses.rows_stats`` and ``rows_backward``, which keep it on chip)."""
-    return _chunked_forward(e_n, weight, targets, row_valid, margin, axis_name, chunk_size)[0]
+    in the kernels of ``jaxcls.losses.rows_stats`` and ``rows_backward``, which keep it on chip). The weight's
+    gradient is written in ``grad_dtype``, then converted to the weight's."""
+    return _chunked_forward(e_n, weight, targets, row_valid, margin, axis_name, chunk_size, grad_dtype)[0]
 
 
-def _chunked_forward(e_n, weight, targets, row_valid, margin, axis_name, chunk_size):
+def _chunked_forward(e_n, weight, targets, row_valid, margin, axis_name, chunk_size, grad_dtype):
     n_tiles = tiles.num_tiles(weight.shape[0], chunk_size)
 
     def stats_at(i):
@@ -150,7 +154,7 @@ def _chunked_forward(e_n, weight, targets, row_valid, margin, axis_name, chunk_s
     return loss, (e_n, weight, targets, row_valid, lse)
 
 
-def _chunked_backward(margin, axis_name, chunk_size, residuals, g):
+def _chunked_backward(margin, axis_name, chunk_size, grad_dtype, residuals, g):
     """Each row's gradient is written once, by the tile that owns it, in the weight's dtype."""
     e_n, weight, targets, row_valid, lse = residuals
 
@@ -161,9 +165,9 @@ def _chunked_backward(margin, axis_name, chunk_size, residuals, g):
                                                          where.kept, _write_gradient, reads=1)
         return (d_e + d_e_tile, d_w), None
 
-    init = (jnp.zeros_like(e_n, jnp.float32), jnp.zeros_like(weight))
+    init = (jnp.zeros_like(e_n, jnp.float32), jnp.zeros_like(weight, grad_dtype))
     (d_e, d_w), _ = lax.scan(step, init, jnp.arange(tiles.num_tiles(weight.shape[0], chunk_size)))
-    return d_e.astype(e_n.dtype), d_w, None, None
+    return d_e.astype(e_n.dtype), d_w.astype(weight.dtype), None, None
 
 
 def _write_gradient(rows, row_grad):

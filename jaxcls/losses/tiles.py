@@ -203,9 +203,9 @@ def margin_logits(cos, where: TileColumns, margin: CombinedMargin):
     return jnp.where(where.kept[None, :], logits, masked_fill_value(jnp.float32))
 
 
-def tile_statistics(e_n, w_tile, targets, valid, first, owned, margin: CombinedMargin):
+def tile_statistics(e_n, w_tile, where: TileColumns, margin: CombinedMargin):
     """Softmax statistics ``(max, Σ exp(x − max), target logit)`` ``[N]`` float32 of one tile's margin logits."""
-    return statistics_of_cosines(tile_cosines(e_n, w_tile), tile_columns(targets, valid, first, owned), margin)
+    return statistics_of_cosines(tile_cosines(e_n, w_tile), where, margin)
 
 
 def statistics_of_cosines(cos, where: TileColumns, margin: CombinedMargin, reduce=None):

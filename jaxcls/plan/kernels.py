@@ -104,7 +104,8 @@ def _rows_kernel_moved(line: str, operands: list[str], result_shape: str) -> int
     indexes (an operand with more rows than its index, operand 0, or one that its outputs alias) only the index's
     rows, read once and, where aliased, written once; its other operands and results whole. (The statistics and the
     embeddings' gradient read a block of rows once per block of the batch, side by side: counted once, as XLA's own
-    kernels count an operand; the update's programs each read the whole batch: counted once.)"""
+    kernels count an operand; the update's programs each read the whole batch: counted once. A tile shorter than
+    the padded batch would have the batch's arrays counted as indexed: the FC path's tiles are far longer.)"""
     aliases = re.findall(r"\{(\d*)\}:\s*\((\d+)", line)
     aliased, written = {int(o) for _, o in aliases}, {int(r or 0) for r, _ in aliases}
     rows = arrays(operands[0])[0][1]
