@@ -36,10 +36,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pallas_triton
 
-from jaxcls.losses.kernel_forms import block_batch, block_columns, block_index, compiler_params, kernel_forms, run
-from jaxcls.losses.rows_stats import fits_a_block
 from jaxcls.losses import tiles
+from jaxcls.losses.kernel_forms import block_batch, block_columns, block_index, compiler_params, kernel_forms, run
 from jaxcls.losses.margins import CombinedMargin
+from jaxcls.losses.rows_stats import fits_a_block
 from jaxcls.mesh import varying_axes, varying_like
 
 GRAD_BLOCK_BATCH = 32  # embeddings per program of the embeddings' gradient

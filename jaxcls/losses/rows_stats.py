@@ -26,8 +26,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pallas_triton
 
-from jaxcls.losses.kernel_forms import block_batch, block_columns, block_index, compiler_params, kernel_forms, run
 from jaxcls.losses import tiles
+from jaxcls.losses.kernel_forms import block_batch, block_columns, block_index, compiler_params, kernel_forms, run
 from jaxcls.losses.margins import CombinedMargin
 from jaxcls.mesh import varying_like
 

@@ -23,8 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxcls.losses import rows_backward, rows_stats
-from jaxcls.losses import tiles
+from jaxcls.losses import rows_backward, rows_stats, tiles
 from jaxcls.losses.cross_entropy import class_parallel_cross_entropy, combine_stats
 from jaxcls.losses.margins import CombinedMargin
 from jaxcls.mesh import (
