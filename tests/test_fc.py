@@ -1,6 +1,7 @@
 """The fused FC step (``FCHead.step``): loss, embedding gradient and sparse update against float64 references."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +12,7 @@ from jaxcls import batch_sharding, class_shards, make_mesh
 from jaxcls.plan.hlo import collectives
 from jaxcls.fc import FCHead
 from jaxcls.fc import head as fc_head
-from jaxcls.losses import sharded_margin_loss
+from jaxcls.losses import rows_backward, rows_stats, sharded_margin_loss
 from jaxcls.fc.sampling import gather_rows
 from jaxcls.fc.optimizers import SparseState, adamw, decode, encode, sgd
 from reference import MARGINS, adamw_step, rel_err, sgd_step, value_and_grads
@@ -20,11 +21,11 @@ LAYOUTS = [((1, 8), ("data", "class")), ((2, 4), ("data", "class")), ((2, 4), ("
 OPTIMIZERS = {"sgd": (sgd, sgd_step), "adamw": (adamw, adamw_step)}
 
 
-def setup(rng, mesh_shape, class_axes, rate, chunk, optimizer="sgd", margin="arcface", dtype=jnp.float32):
-    """A head with random weight and optimizer state, a batch, and its sample."""
+def setup(rng, mesh_shape, class_axes, rate, chunk, optimizer="sgd", margin="arcface", dtype=jnp.float32, d=None):
+    """A head with random weight and optimizer state, a batch, and its sample (``d``: the width, default random)."""
     mesh = make_mesh(*mesh_shape)
     shards = class_shards(mesh, class_axes)
-    c, d, n = shards * int(rng.integers(12, 40)) - int(rng.integers(0, shards)), int(rng.integers(4, 17)), 16
+    c, d, n = shards * int(rng.integers(12, 40)) - int(rng.integers(0, shards)), d or int(rng.integers(4, 17)), 16
     head = FCHead(mesh, c, d, MARGINS[margin], OPTIMIZERS[optimizer][0](state_dtype=dtype), sample_rate=rate,
                   class_axes=class_axes, chunk_size=chunk, dtype=dtype)
     weight, state = head.init(jax.random.key(int(rng.integers(2**31))))
@@ -176,6 +177,23 @@ def test_one_byte_state_matches_the_autodiff_route(state_dtype, as_bits, rng, mo
     untouched = np.setdiff1d(np.arange(head.rows), rows[rows < head.num_classes])
     for a, b in zip((new_w, *new_state.slots), (weight, *state.slots)):  # bit for bit
         assert np.array_equal(np.asarray(a)[untouched], np.asarray(b)[untouched])
+
+
+@pytest.mark.parametrize("layout,case", [(LAYOUTS[0], CASES[1]), (LAYOUTS[1], CASES[3])], ids=str)
+def test_fused_step_through_the_row_kernels_equals_dense_float64_reference(layout, case, rng, monkeypatch):
+    """The step as a CUDA GPU runs it, its statistics and backward in jaxcls.losses' Pallas kernels (in Pallas'
+    interpreter here), against float64: tiles that overlap, a sample, both optimizers. The interpreter runs inside
+    shard_map only without its check of how values vary over the mesh, which the layouts here do not need (the rows
+    vary over every axis the embeddings do)."""
+    monkeypatch.setattr(jax, "shard_map", functools.partial(jax.shard_map, check_vma=False))
+    (mesh_shape, class_axes), (rate, chunk, optimizer) = layout, case
+    head, weight, state, emb, labels, sample = setup(rng, mesh_shape, class_axes, rate, chunk or 24, optimizer, d=32)
+    lr = float(rng.uniform(0.01, 0.5))
+    with rows_backward.forced("pallas_interpret"), rows_stats.forced("pallas_interpret"):
+        traced = str(jax.make_jaxpr(lambda *a: head.step(*a, lr))(weight, state, emb, labels, sample))
+        result = run(head, weight, state, emb, labels, sample, lr)
+    assert traced.count("pallas_call") == 3  # statistics, embeddings' gradient, update
+    check_step_against_reference(head, optimizer, (weight, state, emb, labels, sample and sample.rows, lr), result)
 
 
 def compiled_fc_step(mesh, c, rate, chunk, d=64, n=64, state_dtype=None):

@@ -1,7 +1,8 @@
 """``jaxcls.losses.rows_backward``: a tile's embedding gradient and the rows' gradient or optimizer step, by the Pallas
-kernels (run by Pallas' interpreter here) and by XLA's form, against float64. (Pallas' interpreter cannot run inside
-``shard_map``, where FCHead.step and the chunked loss call it: test_fc and test_sharded hold those to float64 with
-XLA's form, and test_gpu_target finds the kernels in the step compiled for an H100.)"""
+kernels (run by Pallas' interpreter here) and by XLA's form, against float64. (test_fc runs FCHead.step through the
+kernels too, test_sharded holds the chunked loss to float64 in XLA's form, and test_gpu_target finds the kernels in
+the step compiled for an H100.)"""
+
 
 import jax
 import jax.numpy as jnp

@@ -1,7 +1,6 @@
 """``jaxcls.losses.rows_stats``: a tile's softmax statistics from rows picked by index, by the Pallas kernel (in Pallas'
-interpreter here) and by XLA's form, against float64. (Pallas' interpreter cannot run inside ``shard_map``, where
-FCHead.step calls it: test_fc holds the step to float64 with XLA's form, and test_gpu_target finds the kernel in the
-step compiled for an H100.)"""
+interpreter here) and by XLA's form, against float64. (test_fc runs FCHead.step through the kernels too, and
+test_gpu_target finds them in the step compiled for an H100.)"""
 
 import jax
 import jax.numpy as jnp

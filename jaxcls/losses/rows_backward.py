@@ -21,8 +21,8 @@ gradient in ``tiles.tile_grad_parts``' two parts. Two forms compute it, chosen b
 
 Without ``keep`` only ``d_e`` is computed and ``arrays`` come back untouched. With ``reads=k`` the first ``k`` arrays
 are only read (the loss's backward reads the weight and writes its gradient). ``forced(form)`` picks one form while
-tracing; ``"pallas_interpret"`` runs the kernels in Pallas' interpreter on any platform (outside ``shard_map`` only),
-which is how the tests hold them to XLA's form and to float64.
+tracing; ``"pallas_interpret"`` runs the kernels in Pallas' interpreter on any platform (inside ``shard_map`` only
+with ``check_vma=False``), which is how the tests hold them to XLA's form and to float64.
 """
 
 from __future__ import annotations

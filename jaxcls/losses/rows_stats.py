@@ -11,8 +11,8 @@
   the caller reads them, through ``tiles.tile_statistics``. (Per-example statistics: rows replicated over mesh axes
   that hold other embeddings need nothing summed, so the kernel serves every layout.)
 
-``forced(form)`` picks one while tracing; ``"pallas_interpret"`` runs the kernel in Pallas' interpreter (outside
-``shard_map`` only), which is how the tests hold it to XLA's form and to float64.
+``forced(form)`` picks one while tracing; ``"pallas_interpret"`` runs the kernel in Pallas' interpreter (inside
+``shard_map`` only with ``check_vma=False``), which is how the tests hold it to XLA's form and to float64.
 """
 
 from __future__ import annotations
