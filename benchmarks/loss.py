@@ -3,6 +3,7 @@
     python benchmarks/loss.py                 # GPU sizes: C in {1M, 4M}, N in {128, 512}, D=512, bf16
     python benchmarks/loss.py --cpu           # N=256, D=128, C=65,536 on 8 simulated CPU devices, float32
     python benchmarks/loss.py --small         # seconds; what the test suite runs
+    python benchmarks/loss.py --fc-kernels xla   # the chunked loss without its Pallas row kernels (the before)
 
 Forward+backward (grads w.r.t. embeddings and weight) under one jit. FLOPs counted as 6·N·D·C (the logits
 matmul and its two gradient matmuls).
@@ -19,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxcls import batch_sharding, make_mesh, padded_num_classes, weight_sharding
 from jaxcls.bench import compiled_memory, peak_device_bytes, print_table, time_ms, write_json
-from jaxcls.losses import arcface, l2_normalize, sharded_margin_loss
+from jaxcls.losses import arcface, l2_normalize, rows_backward, rows_stats, sharded_margin_loss
 from jaxcls.startup import simulate_cpu_devices
 
 MARGIN = arcface()
@@ -56,6 +57,8 @@ def main():
     parser.add_argument("--chunk", type=int, default=None, help="chunk size (default: 1/8 of C_local, ≥ 1024)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--peak-tflops", type=float, default=None, help="matmul ceiling for %% of floor")
+    parser.add_argument("--fc-kernels", choices=["xla"], default=None,
+                        help="xla: the chunked loss without its row kernels (default: each platform's own form)")
     parser.add_argument("--out", default="benchmarks/results/loss.json")
     args = parser.parse_args()
     if args.cpu or args.small:
@@ -76,12 +79,14 @@ def main():
         for name, chunk_size in (("sharded", None), (f"sharded chunk={chunk}", chunk)):
             fn = lambda e, w, y, cs=chunk_size: sharded_margin_loss(e, w, y, MARGIN, mesh=mesh, num_classes=c,
                                                                     chunk_size=cs)
-            results.append(measure(name, fn, n, d, c, rows, dtype, batch_sharding(mesh), weight_sharding(mesh),
-                                   args.iters))
+            with rows_stats.forced(args.fc_kernels), rows_backward.forced(args.fc_kernels):
+                results.append(measure(name, fn, n, d, c, rows, dtype, batch_sharding(mesh), weight_sharding(mesh),
+                                       args.iters))
         one = NamedSharding(make_mesh(devices=jax.devices()[:1]), P())
         results.append(measure("naive, 1 device", naive_loss, n, d, c, c, dtype, one, one, args.iters))
     for r in results:
         r["devices"] = 1 if r["loss"].startswith("naive") else mesh.size
+        r["fc_kernels"] = args.fc_kernels or "platform"
         if args.peak_tflops:
             r["% of floor"] = 100 * r["TFLOP/s"] * (1 if r["devices"] == 1 else 1 / r["devices"]) / args.peak_tflops
     print_table(results, ["loss", "devices", "N", "D", "C", "dtype", "ms", "TFLOP/s", "% of floor", "temp_bytes",
