@@ -86,9 +86,12 @@ def random_keep(rng, where):
     return (jnp.asarray(rng.random(where.kept.shape[0]) < 0.8).at[-1].set(True)) & where.kept
 
 
-@pytest.mark.parametrize("margin", ["arcface", "cosface", "sphereface"])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("programs", [rows_backward.GRAD_PROGRAMS, 2])  # 2: each share several blocks of rows
+# every margin family and compute dtype; and one case whose shares of rows take several blocks each (programs=2)
+GRADIENT_CASES = [(margin, dtype, rows_backward.GRAD_PROGRAMS) for margin in ("arcface", "cosface", "sphereface")
+                  for dtype in (jnp.float32, jnp.bfloat16, jnp.float16)] + [("arcface", jnp.bfloat16, 2)]
+
+
+@pytest.mark.parametrize("margin,dtype,programs", GRADIENT_CASES, ids=lambda v: getattr(v, "__name__", str(v)))
 def test_both_forms_give_the_float64_gradients_of_the_embeddings_and_the_kept_rows(margin, dtype, programs, rng,
                                                                                    monkeypatch):
     monkeypatch.setattr(rows_backward, "GRAD_PROGRAMS", programs)
