@@ -108,6 +108,12 @@ def varying_like(x, shape=None, dtype=None) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, vma=aval.vma)
 
 
+def on_cpu(mesh: Mesh) -> bool:
+    """Whether ``mesh``'s devices are CPUs: XLA:CPU cannot scatter into a 16-bit float array in place (it converts the
+    whole array), which the FC step and the chunked loss work around there."""
+    return mesh.devices.flat[0].platform == "cpu"
+
+
 def varying_axes(x) -> frozenset:
     """The mesh axes ``x`` varies over inside ``shard_map`` (empty outside)."""
     aval = jax.typeof(x)

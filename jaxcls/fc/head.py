@@ -173,7 +173,7 @@ def _step_shard(emb, labels, weight, slots, row_classes, lr, count, keep_update,
 
 def stores_bits(mesh: Mesh) -> bool:
     """Whether the step keeps 16- and 8-bit float rows as raw bits (on CPU: see ``_step_shard``)."""
-    return mesh.devices.flat[0].platform == "cpu"
+    return layout.on_cpu(mesh)
 
 
 def optimizer_rule(optimizer: SparseOptimizer, dtypes: tuple | None = None):

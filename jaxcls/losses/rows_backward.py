@@ -99,11 +99,6 @@ def _pallas_form(arrays, index, where, e_n, lse, g, keep, *scalars, margin, rule
                                          interpret)
 
 
-def _product_dtype(e_dtype):
-    """The dtype the gradients multiply in, as ``tiles.cosines``' backward: the embeddings', float16's in float32."""
-    return jnp.float32 if e_dtype == jnp.float16 else e_dtype
-
-
 def _embedding_grad(weight, index, where, e_n, lse, g, margin, interpret):
     n, d = e_n.shape
     batch_blocks = -(-n // GRAD_BLOCK_BATCH)
@@ -130,7 +125,7 @@ def _embedding_grad(weight, index, where, e_n, lse, g, margin, interpret):
 def _embedding_grad_kernel(index_ref, columns_ref, kept_ref, rel_ref, lse_ref, g_ref, e_ref, weight_ref, out_ref, *,
                            margin):
     e, rel, lse, g = e_ref[...], rel_ref[...], lse_ref[...], g_ref[...]
-    dtype = _product_dtype(e.dtype)
+    dtype = tiles.gradient_product_dtype(e.dtype)
 
     def add_block(r, d_e):  # the gradient through GRAD_BLOCK_ROWS of this program's rows
         at = pl.ds(r * GRAD_BLOCK_ROWS, GRAD_BLOCK_ROWS)
@@ -178,7 +173,7 @@ def _update_kernel(index_ref, columns_ref, kept_ref, keep_ref, rel_ref, lse_ref,
     squares = jnp.sum(rows * rows, axis=1)
     inverse = tiles.inverse_of_squares(squares)
     rows = rows.astype(e_ref.dtype)
-    dtype = _product_dtype(e_ref.dtype)
+    dtype = tiles.gradient_product_dtype(e_ref.dtype)
     columns, kept = columns_ref[...], kept_ref[...]
 
     def add_block(b, sums):  # the rows' gradient parts through UPDATE_BLOCK_BATCH embeddings

@@ -32,6 +32,7 @@ from jaxcls.mesh import (
     DEFAULT_CLASS_AXES,
     class_shards,
     data_axes,
+    on_cpu,
     padded_num_classes,
     row_spec,
     weight_sharding,
@@ -92,9 +93,7 @@ def sharded_margin_loss(embeddings: jax.Array, weight: jax.Array, labels: jax.Ar
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     if row_classes is None:
         row_classes = tiles.full_row_classes(weight.shape[0], mesh, class_axes)
-    # XLA:CPU cannot scatter into a 16-bit float array in place (it converts the whole array, every tile): there the
-    # chunked loss writes its weight gradient in float32
-    grad_dtype = jnp.dtype(jnp.float32 if mesh.devices.flat[0].platform == "cpu" else weight.dtype)
+    grad_dtype = jnp.dtype(jnp.float32 if on_cpu(mesh) else weight.dtype)  # see on_cpu
     per_shard = partial(_per_shard_loss, margin=margin, class_axes=class_axes, num_classes=num_classes,
                         chunk_size=chunk_size, global_batch=embeddings.shape[0], grad_dtype=grad_dtype)
     loss = jax.shard_map(per_shard, mesh=mesh,

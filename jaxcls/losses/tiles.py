@@ -144,9 +144,14 @@ def _cosines_fwd(e_n, w_n):
     return cosines(e_n, w_n), (e_n, w_n)
 
 
+def gradient_product_dtype(e_dtype):
+    """The dtype ``cosines``' gradients multiply in: the embeddings', float16's in float32 (see ``cosines``)."""
+    return jnp.dtype(jnp.float32 if e_dtype == jnp.float16 else e_dtype)
+
+
 def _cosines_bwd(residuals, g):
     e_n, w_n = residuals
-    dtype = jnp.float32 if e_n.dtype == jnp.float16 else e_n.dtype
+    dtype = gradient_product_dtype(e_n.dtype)
     # autodiff of the product in `dtype` transposes it, summing over the mesh axes where an operand is replicated
     product = lambda e, w: jnp.dot(e, w.T, preferred_element_type=dtype)
     _, pullback = jax.vjp(product, e_n.astype(dtype), w_n.astype(dtype))
