@@ -8,8 +8,11 @@
 # Job forms: `train:KEY=VALUE ... [--set KEY=VALUE ...]` (benchmarks/step_throughput.py --only each pair, other
 # arguments as they are), `torch:NETWORK BATCH [CLASSES] [ARGS]` (arcface_torch's step from .gpudata/bench: PartialFC
 # 0.1 with fp16 as train_v2.py runs it, CLASSES default 1000000, ARGS e.g. --compile or --max-classes), `py:SCRIPT
-# ARGS` (a script of benchmarks/, its --out in the results), `sh:COMMAND`. Each job's exit status is logged (124:
-# past its time limit).
+# ARGS` (a script of benchmarks/, its --out in the results), `sh:COMMAND` ($RESULTS is the results folder). A job
+# written `|JOB` runs only if the job before it failed (a fallback). Each job's exit status is logged (124: past its
+# time limit). A job that finished in an earlier call on the same machine (still warm) is skipped, so a second call
+# with the same jobs goes on where the first stopped:
+#   mapfile -t jobs < docs/measurements/h100-DATE/jobs.txt; bash benchmarks/gpu_lease.sh "${jobs[@]}"
 # JOB_LIMIT (seconds, default 300) bounds each job. Carry two git-ignored folders with the call:
 #   .whl      jaxcls's dependencies the GPU image lacks, as cp312 wheels: `pip download --no-deps --only-binary=:all:
 #             --python-version 3.12 --platform manylinux2014_x86_64 --platform any -d .whl ml_collections
@@ -17,8 +20,9 @@
 #   .gpudata  `cp -r ../shared/bench .gpudata/`, and for `--pipeline` jobs glyphs' train.rec, train.idx, property
 set -u
 OUT=${OUT:-/tmp/out}
-RESULTS=/tmp/results
+export RESULTS=/tmp/results
 mkdir -p "$OUT" "$RESULTS"
+touch "$RESULTS/done.txt"
 exec > >(tee -a "$OUT/log.txt") 2>&1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
@@ -27,7 +31,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm 
 python3 -c 'import jax, flax, optax; print("jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version__,
 jax.devices())'
 
+rc=0
 for job in "$@"; do
+  fallback=false; [[ $job == "|"* ]] && { fallback=true; job=${job#|}; }
+  grep -qxF -- "$job" "$RESULTS/done.txt" && { echo "=== done in an earlier call: $job"; rc=0; continue; }
+  $fallback && (( rc == 0 )) && { echo "=== skipped, the job before it passed: $job"; continue; }
   kind=${job%%:*}; spec=${job#*:}; name=$(echo "$kind-$spec" | tr -c 'A-Za-z0-9_.-' '_')
   echo "=== $(date +%T) $job"
   start=$SECONDS
@@ -47,5 +55,6 @@ for job in "$@"; do
   esac
   rc=$?  # read before anything else runs: `$(date)` below would reset $?
   echo "=== $(date +%T) rc=$rc after $((SECONDS - start)) s: $job"
+  echo "$job" >> "$RESULTS/done.txt"
   tar czf "$OUT/results.tgz" "$RESULTS" benchmarks/results 2>/dev/null
 done
