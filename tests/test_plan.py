@@ -78,3 +78,27 @@ def test_command_line(args, status, expected):
     assert expected in proc.stdout + proc.stderr
     if status:
         assert "Traceback" not in proc.stderr
+
+
+def test_ptxas_reports_and_triton_launches_are_read_as_written():
+    from jaxcls.plan import ptx
+
+    report = """ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'rows_update' for 'sm_90a'
+ptxas info    : Function properties for rows_update
+    344 bytes stack frame, 340 bytes spill stores, 340 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 344 bytes cumulative stack size
+ptxas info    : Compiling entry function 'rows_stats' for 'sm_90a'
+ptxas info    : Function properties for rows_stats
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 72 registers, used 1 barriers
+"""
+    assert ptx.parse_ptxas_report(report) == {
+        "rows_update": {"registers": 255, "spill_bytes": 340, "stack_bytes": 344},
+        "rows_stats": {"registers": 72, "spill_bytes": 0, "stack_bytes": 0}}
+    hlo = ('%pallas_call.8 = (f32[2048,128]{1,0}) custom-call(%a), custom_call_target="__gpu$xla.gpu.triton", '
+           'backend_config={debug = false, grid_x = 2 : i32, grid_y = 2048 : i32, grid_z = 1 : i32, ir = "x", '
+           'name = "rows_stats", num_stages = 3 : i32, num_warps = 4 : i32}\n%other = f32[2] add(%a, %b)')
+    assert ptx.triton_launches(hlo) == {"rows_stats": {"grid": (2, 2048, 1), "warps": 4, "stages": 3}}
+    # 72 registers: 2,304 a warp, 28 warps an SM, 7 programs of 4; 255 → 256: 8,192 a warp, 8 warps, 2 programs
+    assert [ptx.programs_per_sm(r, w) for r, w in [(72, 4), (255, 4), (202, 8), (16, 1)]] == [7, 2, 1, 32]
