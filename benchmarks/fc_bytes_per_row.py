@@ -13,6 +13,8 @@ momentum read and written once: 5 KB a row in bfloat16, 10 KB in float32.
 Each row also gives the bytes per sampled row of each JAX source line's kernels (64 B or more;
 ``jaxcls.plan.kernels.moved_by_origin``, a gradient's lines marked backward). ``--loss-alone``
 counts the loss by itself instead: ``sharded_margin_loss`` forward and backward at C = 1M, N = 512 on one H100.
+``--fc-kernels pallas`` counts the Triton kernels' form of the FC path (by default the GPU program runs the statistics
+kernel and XLA's backward: ``jaxcls.losses.rows_backward.KERNEL_ON_CUDA``), ``--fc-kernels xla`` XLA's forms.
 Compile-only: it counts bytes, it does not time. Needs JAX's CUDA plugin.
 """
 
@@ -27,7 +29,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only GPUs: no CUDA driv
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxcls.bench import print_table, write_json  # noqa: E402
+from jaxcls.bench import FC_KERNELS, FC_KERNELS_HELP, fc_kernels, print_table, write_json  # noqa: E402
 from jaxcls.config import benchmark_config  # noqa: E402
 from jaxcls.fc.sampling import sample_budget  # noqa: E402
 from jaxcls.losses import arcface, sharded_margin_loss  # noqa: E402
@@ -77,20 +79,29 @@ def main():
     parser.add_argument("--loss-alone", action="store_true", help="instead: the bytes of the loss alone at C = 1M, "
                         "N = 512 (whole and in benchmarks/loss.py's chunks), and their time at 3.35 TB/s")
     parser.add_argument("--target", default="h100")
+    parser.add_argument("--fc-kernels", choices=FC_KERNELS, default=None, help=FC_KERNELS_HELP)
     parser.add_argument("--out", default="benchmarks/results/fc_bytes_per_row.json")
     args = parser.parse_args()
     args.classes = args.classes or ([65_536, 262_144] if args.small else [4_000_000, 16_000_000])
     device = gpu_target.gpu_devices(args.target, 1)[0]
-    if args.loss_alone:
-        rows = []
-        for chunk in (None, 131_072):
-            lines = loss_alone_bytes(512, 1 << 20, chunk, device)
-            moved = sum(lines.values())
-            rows.append({"loss": "sharded" if chunk is None else f"sharded chunk={chunk}", "N": 512, "C": 1 << 20,
-                         "moved_GiB": moved / 2**30, "ms_at_3.35_TB_per_s": moved / 3.35e12 * 1e3,
-                         "GiB_by_line": {k: v / 2**30 for k, v in lines.most_common() if v >= 2**28}})
-        print_table(rows, ["loss", "N", "C", "moved_GiB", "ms_at_3.35_TB_per_s"])
-        return write_json(args.out, rows)
+    with fc_kernels(args.fc_kernels):
+        rows = loss_alone_rows(device) if args.loss_alone else per_row_rows(args, device)
+    write_json(args.out, [dict(row, fc_kernels=args.fc_kernels or "platform") for row in rows])
+
+
+def loss_alone_rows(device) -> list[dict]:
+    rows = []
+    for chunk in (None, 131_072):
+        lines = loss_alone_bytes(512, 1 << 20, chunk, device)
+        moved = sum(lines.values())
+        rows.append({"loss": "sharded" if chunk is None else f"sharded chunk={chunk}", "N": 512, "C": 1 << 20,
+                     "moved_GiB": moved / 2**30, "ms_at_3.35_TB_per_s": moved / 3.35e12 * 1e3,
+                     "GiB_by_line": {k: v / 2**30 for k, v in lines.most_common() if v >= 2**28}})
+    print_table(rows, ["loss", "N", "C", "moved_GiB", "ms_at_3.35_TB_per_s"])
+    return rows
+
+
+def per_row_rows(args, device) -> list[dict]:
     rows = []
     for fc_dtype in args.fc_dtype or list(FLOOR_KB):
         (low, low_rows), (high, high_rows) = (moved_bytes(fc_dtype, c, args.batch, args.model, args.input_size, device)
@@ -103,7 +114,7 @@ def main():
                                                           key=lambda kv: -kv[1]))})
         print(rows[-1], flush=True)
     print_table(rows, ["fc_dtype", "model", "batch", "sampled_rows", "kb_per_sampled_row", "floor_kb"])
-    write_json(args.out, rows)
+    return rows
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
     python benchmarks/loss.py                 # GPU sizes: C in {1M, 4M}, N in {128, 512}, D=512, bf16
     python benchmarks/loss.py --cpu           # N=256, D=128, C=65,536 on 8 simulated CPU devices, float32
     python benchmarks/loss.py --small         # seconds; what the test suite runs
-    python benchmarks/loss.py --fc-kernels xla   # the chunked loss without its Pallas row kernels (the before)
+    python benchmarks/loss.py --fc-kernels xla   # the chunked loss in one form of its row kernels (xla or pallas)
 
 Forward+backward (grads w.r.t. embeddings and weight) under one jit. FLOPs counted as 6·N·D·C (the logits
 matmul and its two gradient matmuls).
@@ -19,8 +19,9 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxcls import batch_sharding, make_mesh, padded_num_classes, weight_sharding
-from jaxcls.bench import compiled_memory, peak_device_bytes, print_table, time_ms, write_json
-from jaxcls.losses import arcface, l2_normalize, rows_backward, rows_stats, sharded_margin_loss
+from jaxcls.bench import (FC_KERNELS, FC_KERNELS_HELP, compiled_memory, fc_kernels, peak_device_bytes, print_table,
+                          time_ms, write_json)
+from jaxcls.losses import arcface, l2_normalize, sharded_margin_loss
 from jaxcls.startup import simulate_cpu_devices
 
 MARGIN = arcface()
@@ -57,8 +58,7 @@ def main():
     parser.add_argument("--chunk", type=int, default=None, help="chunk size (default: 1/8 of C_local, ≥ 1024)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--peak-tflops", type=float, default=None, help="matmul ceiling for %% of floor")
-    parser.add_argument("--fc-kernels", choices=["xla"], default=None,
-                        help="xla: the chunked loss without its row kernels (default: each platform's own form)")
+    parser.add_argument("--fc-kernels", choices=FC_KERNELS, default=None, help=FC_KERNELS_HELP)
     parser.add_argument("--out", default="benchmarks/results/loss.json")
     args = parser.parse_args()
     if args.cpu or args.small:
@@ -79,7 +79,7 @@ def main():
         for name, chunk_size in (("sharded", None), (f"sharded chunk={chunk}", chunk)):
             fn = lambda e, w, y, cs=chunk_size: sharded_margin_loss(e, w, y, MARGIN, mesh=mesh, num_classes=c,
                                                                     chunk_size=cs)
-            with rows_stats.forced(args.fc_kernels), rows_backward.forced(args.fc_kernels):
+            with fc_kernels(args.fc_kernels):
                 results.append(measure(name, fn, n, d, c, rows, dtype, batch_sharding(mesh), weight_sharding(mesh),
                                        args.iters))
         one = NamedSharding(make_mesh(devices=jax.devices()[:1]), P())

@@ -13,6 +13,7 @@ import statistics
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 import flax.linen as nn
 import jax
@@ -22,6 +23,7 @@ import optax
 
 from jaxcls.data.pipeline import HostBatches, device_batch
 from jaxcls.data.recordio import MXFaceDataset
+from jaxcls.losses import rows_backward, rows_stats
 from jaxcls.mesh import batch_sharding
 from jaxcls.run import build
 
@@ -36,6 +38,19 @@ def time_ms(fn, *args, warmup: int = 3, iters: int = 20) -> float:
         jax.block_until_ready(fn(*args))
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
+
+
+FC_KERNELS = ("xla", "pallas")
+FC_KERNELS_HELP = ("the FC path's row kernels (jaxcls.losses.rows_stats, rows_backward): xla, XLA's forms of both; "
+                   "pallas, both Triton kernels (CUDA GPUs); default, each platform's own (on CUDA GPUs the "
+                   "statistics kernel and XLA's backward)")
+
+
+@contextmanager
+def fc_kernels(form: str | None):
+    """Within the block, trace the FC path's statistics pass and backward in ``form`` (None: by platform)."""
+    with rows_stats.forced(form), rows_backward.forced(form):
+        yield
 
 
 def compiled_memory(compiled) -> dict:

@@ -12,13 +12,9 @@ import sys
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import pytest
-from jax.sharding import SingleDeviceSharding
 
-from jaxcls.fc.head import optimizer_rule
-from jaxcls.fc.optimizers import adamw, sgd
-from jaxcls.losses import MARGINS, rows_backward, rows_stats, tiles
+from jaxcls.losses import rows_backward, rows_stats
 from jaxcls.plan import gpu_target
 from jaxcls.plan.hlo import collectives, computations
 from jaxcls.plan.kernels import kernels
@@ -31,14 +27,23 @@ ROWS = (2**12, 2**13)  # FC rows per device of the two compiles
 D = 32  # tiny.py's embedding size
 
 
+def benchmark(name: str):
+    """The script benchmarks/<name>.py as a module."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
 @functools.cache
-def compiled_at(rows: int, fc_state_dtype: str = "same"):
+def compiled_at(rows: int, fc_state_dtype: str = "same", backward: str | None = None):
     """``(run, compiled step)`` of the tiny config, bfloat16 compute and FC weight (its state in ``fc_state_dtype``),
-    PartialFC 0.5, on 8 H100s."""
+    PartialFC 0.5, on 8 H100s; the tiles' backward in the ``backward`` form (None: the platform's default)."""
     config = get_config(num_classes=8 * rows, sample_rate=0.5, chunk_size=1024, precision="bfloat16",
                         fc_dtype="bfloat16", fc_state_dtype=fc_state_dtype, mesh_data=2)
-    run = build(config, gpu_target.gpu_devices("h100", 8), with_data=False)
-    return run, run.compile_step(run.abstract_state, gpu_target.COMPILE_OPTIONS)
+    with rows_backward.forced(backward):
+        run = build(config, gpu_target.gpu_devices("h100", 8), with_data=False)
+        return run, run.compile_step(run.abstract_state, gpu_target.COMPILE_OPTIONS)
 
 
 @pytest.mark.slow
@@ -70,7 +75,7 @@ def test_the_tile_loop_writes_no_tile_sized_array():
     128, D = 512, benchmarks/fc_bytes_per_row.py), no gathered copy and no gradient of them (jaxcls.losses' row kernels
     read the rows by index and form their gradient where they update them); nor an [N, T] array of logits, their
     gradient or their statistics' terms (the kernels keep them on chip)."""
-    text = compiled_at(ROWS[0])[1].as_text()
+    text = compiled_at(ROWS[0], backward="pallas")[1].as_text()
     bodies, _ = computations(text)
     # chunk_size T = 1024, D = 32, N = 32 embeddings: [T, D] (or [T, 1, D]) and [N, T]
     tile = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = \w+\[(?:1024,(?:1,)?32|32,1024)\]\S* (\w+)\(")
@@ -107,8 +112,8 @@ def test_the_tile_loop_writes_no_tile_sized_array():
 def test_the_fc_rows_are_read_by_index_and_updated_by_kernels_that_touch_each_once(fc_state_dtype):
     """On a GPU the statistics pass is jaxcls.losses.rows_stats' Triton kernel and the backward rows_backward's two,
     each run once per tile: no gathered copy of the rows or of the optimizer state, no scatter, no row gradient
-    written, the update in place."""
-    text = compiled_at(ROWS[0], fc_state_dtype)[1].as_text()
+    written, the update in place (the backward's kernels forced: XLA's form is the default, see the next test)."""
+    text = compiled_at(ROWS[0], fc_state_dtype, backward="pallas")[1].as_text()
     found = kernels(text)
     for kernel in ("rows_stats", "rows_embedding_grad", "rows_update"):
         ours = [k for k in found if f"/{kernel}/pallas_call" in k.origin]
@@ -121,18 +126,28 @@ def test_the_fc_rows_are_read_by_index_and_updated_by_kernels_that_touch_each_on
 
 @pytest.mark.slow
 @pytest.mark.gpu_target
+def test_the_fc_backward_on_a_gpu_is_xlas_form_unless_forced():
+    """rows_backward.KERNEL_ON_CUDA is off (an H100 timed its untuned kernels slower than XLA's form): by default the
+    step compiled for GPUs runs the statistics kernel and XLA's backward, which scatters the updated rows."""
+    text = compiled_at(ROWS[0])[1].as_text()
+    assert 'name = "rows_stats"' in text
+    assert 'name = "rows_update"' not in text and 'name = "rows_embedding_grad"' not in text
+    assert " scatter(" in text
+
+
+@pytest.mark.slow
+@pytest.mark.gpu_target
 def test_the_fc_path_moves_at_most_8_kb_per_sampled_row():
     """benchmarks/fc_bytes_per_row.py's count for a bfloat16 FC state at batch 128, D = 512 on one H100: 6.7 KB per
     sampled row, the goal 8 and the floor 5 (28.8 before the loss scaled its cosines by inverse norms, selected the
     margin's target logit elementwise and took its softmax statistics in one reduction: 20.9; then the rows update
     became one kernel: 16.0; then the statistics pass: 13.1; then the backward two kernels that recompute the cosines
     from the rows read by index, the update forming the rows' gradient on chip)."""
-    spec = importlib.util.spec_from_file_location("fc_bytes_per_row", ROOT / "benchmarks" / "fc_bytes_per_row.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = benchmark("fc_bytes_per_row")
     device = gpu_target.gpu_devices("h100", 1)[0]
-    (low, low_rows), (high, high_rows) = (script.moved_bytes("bfloat16", classes, 128, "r18", 32, device)
-                                          for classes in (4_000_000, 16_000_000))
+    with rows_backward.forced("pallas"):  # the kernels' count (XLA's form, the default on GPUs, moves 13.1 KB)
+        (low, low_rows), (high, high_rows) = (script.moved_bytes("bfloat16", classes, 128, "r18", 32, device)
+                                              for classes in (4_000_000, 16_000_000))
     per_row = (sum(high.values()) - sum(low.values())) / (high_rows - low_rows) / 1024
     assert 5 < per_row <= 8, per_row
 
@@ -145,26 +160,24 @@ def test_the_row_kernels_compile_for_an_h100_at_full_size(optimizer, weight, sta
     """Each FC row kernel (statistics, embeddings' gradient, update) through Triton for an H100 at D = 512, a 65,536-row
     tile, N = 128, for each optimizer rule, storage, compute dtype and margin family (acos for SphereFace): a rule or
     margin with an operation Triton lacks, or a block too large for an SM, fails here rather than in a lease."""
-    device = gpu_target.gpu_devices("h100", 1)[0]
-    at = lambda shape, dtype: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=SingleDeviceSharding(device))
-    c, d, t, n = 1 << 20, 512, 65_536, 128
-    rule_of = {"sgd": sgd, "adamw": adamw}[optimizer](state_dtype=state)
-    slots = jax.eval_shape(lambda w: rule_of.init(w).slots, jax.ShapeDtypeStruct((c, d), jnp.dtype(weight)))
-    arrays = (at((c, d), weight), *(at(s.shape, s.dtype) for s in slots))
-    margin = MARGINS[margin]()
-
-    def step(arrays, index, targets, valid, e_n, lse, g, lr, count):
-        where = tiles.tile_columns(targets, valid, 0, 0)
-        stats = rows_stats.tile_statistics_by_index(arrays[0], index, where, e_n, margin, lambda: arrays[0][index])
-        return stats, rows_backward.tile_backward(arrays, index, where, e_n, lse, g, margin, lambda: arrays[0][index],
-                                                  where.kept, optimizer_rule(rule_of), lr, count)
-
-    compiled = jax.jit(step, donate_argnums=0).trace(
-        arrays, at((t,), "int32"), at((n,), "int32"), at((t,), "bool"), at((n, d), embeddings), at((n,), "float32"),
-        at((n,), "float32"), at((), "float32"), at((), "int32")).lower().compile()
+    compiled = benchmark("fc_kernels").compile_row_kernels(gpu_target.gpu_devices("h100", 1)[0], optimizer, weight,
+                                                           state, embeddings, margin)
     text = compiled.as_text()
     for kernel in ("rows_stats", "rows_embedding_grad", "rows_update"):
         assert f'name = "{kernel}"' in text, kernel
+
+
+@pytest.mark.gpu_target
+def test_each_row_kernels_launch_and_registers_are_read_from_its_compile():
+    """jaxcls.plan.ptx on the row kernels' H100 program (benchmarks/fc_kernels.py --registers): each kernel's grid and
+    warps are the modules' settings, and ptxas reports registers within an SM thread's 255."""
+    rows = {row["kernel"]: row for row in benchmark("fc_kernels").register_rows({}, n=128)}
+    assert set(rows) == {"rows_stats", "rows_embedding_grad", "rows_update"}
+    update, grad = rows["rows_update"], rows["rows_embedding_grad"]
+    assert (update["programs"], update["warps"]) == (65_536 // rows_backward.UPDATE_BLOCK_ROWS,
+                                                     rows_backward.UPDATE_WARPS)
+    assert (grad["warps"], rows["rows_stats"]["warps"]) == (rows_backward.GRAD_WARPS, rows_stats.WARPS)
+    assert all(0 < row["registers"] <= 255 and row["programs_per_sm"] >= 1 for row in rows.values())
 
 
 @pytest.mark.slow

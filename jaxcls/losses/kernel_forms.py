@@ -20,11 +20,11 @@ def kernel_forms(what: str) -> Forms:
     return Forms(what, FORMS)
 
 
-def run(forms: Forms, pallas, xla, *args):
+def run(forms: Forms, pallas, xla, *args, kernel_on_cuda: bool = True):
     """``xla(*args)`` or ``pallas(*args, interpret=…)``: the form ``forms`` is forced to, else by platform (the
-    kernel on CUDA GPUs, XLA's form elsewhere, staged with ``lax.platform_dependent``)."""
+    kernel on CUDA GPUs where ``kernel_on_cuda``, XLA's form elsewhere, staged with ``lax.platform_dependent``)."""
     form = forms.current()
-    if form == "xla":
+    if form == "xla" or (form is None and not kernel_on_cuda):
         return xla(*args)
     if form is not None:
         return pallas(*args, interpret=form == "pallas_interpret")
@@ -59,6 +59,6 @@ def block_batch(block: int, e_n, rel, lse=None, g=None) -> tuple:
     return padded
 
 
-def compiler_params(interpret: bool, num_warps: int):
-    """Triton's settings (untuned: no GPU has timed them yet); none for the interpreter."""
-    return None if interpret else pallas_triton.CompilerParams(num_warps=num_warps, num_stages=1)
+def compiler_params(interpret: bool, num_warps: int, num_stages: int):
+    """Triton's settings (untuned: benchmarks/fc_kernels.py times others); none for the interpreter."""
+    return None if interpret else pallas_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)

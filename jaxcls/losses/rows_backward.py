@@ -5,19 +5,19 @@ with their gradient formed where they are updated, each row read once there and 
 ``(d_e, arrays)``: the gradient ``[N, D]`` float32 of ``Σ_n g[n]·loss[n]`` w.r.t. ``e_n`` through the tile of rows
 ``index`` of ``arrays[0]`` (the weight), and ``arrays`` (the weight and its optimizer slots, all ``[C_local, ...]``)
 with the rows ``index`` replaced where ``keep`` holds by ``rule(rows, (product, radial), *scalars)``, the rows'
-gradient in ``tiles.tile_grad_parts``' two parts. Two forms compute it, chosen by platform
-(``lax.platform_dependent``):
+gradient in ``tiles.tile_grad_parts``' two parts. Two forms compute it:
 
-- ``"pallas"`` (CUDA GPUs): two Triton kernels that read the rows by index and recompute each block's cosines and
-  their gradient on chip from the tile's log-sum-exp (no ``[N, T]`` array and no ``[T, D]`` copy or gradient is
-  written). The first gives ``d_e``: each program owns a block of embeddings and a share of the tile's rows, and
-  writes its partial sum, which XLA adds. The second, one program per block of rows, sums the rows' gradient over
-  the batch, applies ``rule`` in registers and stores the rows back in place. It runs after the first, which needs
-  the rows as they were. ``d_e`` stays float32 over the whole tile (XLA's form rounds it to the embeddings' dtype).
-- ``"xla"`` (every other platform; rows a Triton block does not fit; and rows replicated over mesh axes that hold
-  other embeddings, whose gradient is a sum over devices that autodiff forms and no kernel sees): ``gathered()`` (the
-  rows as the caller reads them), ``tiles.tile_grad_parts``, and per array a gather and a scatter
-  (``array.at[index].set``).
+- ``"pallas"`` (when forced, or on CUDA GPUs where ``KERNEL_ON_CUDA``): two Triton kernels that read the rows by
+  index and recompute each block's cosines and their gradient on chip from the tile's log-sum-exp (no ``[N, T]``
+  array and no ``[T, D]`` copy or gradient is written). The first gives ``d_e``: each program owns a block of
+  embeddings and a share of the tile's rows, and writes its partial sum, which XLA adds. The second, one program per
+  block of rows, sums the rows' gradient over the batch, applies ``rule`` in registers and stores the rows back in
+  place. It runs after the first, which needs the rows as they were. ``d_e`` stays float32 over the whole tile
+  (XLA's form rounds it to the embeddings' dtype).
+- ``"xla"`` (the default on every platform, CUDA GPUs included: an H100 timed it faster than the untuned kernels;
+  always for rows a Triton block does not fit, and for rows replicated over mesh axes that hold other embeddings,
+  whose gradient is a sum over devices that autodiff forms and no kernel sees): ``gathered()`` (the rows as the
+  caller reads them), ``tiles.tile_grad_parts``, and per array a gather and a scatter (``array.at[index].set``).
 
 Without ``keep`` only ``d_e`` is computed and ``arrays`` come back untouched. With ``reads=k`` the first ``k`` arrays
 are only read (the loss's backward reads the weight and writes its gradient). ``forced(form)`` picks one form while
@@ -49,7 +49,12 @@ GRAD_WARPS = 8  # Triton's warps per program: its [32, D] float32 sum is large
 UPDATE_BLOCK_ROWS = 16  # rows per program of the update (Triton's products need 16 or more); each program reads
 UPDATE_BLOCK_BATCH = 32  # the whole batch, this many embeddings at a time (from L2: N·D per block of rows)
 UPDATE_WARPS = 4
-# Untuned: no GPU has run these kernels yet (benchmarks/fc_kernels.py --set rows_backward.NAME=VALUE tries others).
+GRAD_STAGES = UPDATE_STAGES = 1  # Triton's software-pipelining stages of each kernel's loop
+# Untuned (benchmarks/fc_kernels.py --set rows_backward.NAME=VALUE tries others). Timed on an H100 (2026-11-26) with
+# these settings, the kernels took 1.3-1.5x the time of XLA's form for a 65,536-row tile at N = 128, and the chunked
+# loss about 3x at N = 512: until tuned kernels beat it, XLA's form is the default on CUDA GPUs too (forced("pallas")
+# runs the kernels).
+KERNEL_ON_CUDA = False
 _FORM = kernel_forms("rows-backward form")
 forced = _FORM.forced  # forced(form): within the block, trace every tile_backward in that form (None: by platform)
 
@@ -77,7 +82,8 @@ def tile_backward(arrays: tuple, index, where: tiles.TileColumns, e_n, lse, g, m
         # rows replicated over mesh axes that hold other embeddings (class_axes=('class',) with data > 1): their
         # gradient is a sum over those devices, which autodiff forms in XLA's form and no kernel sees
         return xla(*args)
-    return run(_FORM, partial(_pallas_form, margin=margin, rule=rule, reads=reads), xla, *args)
+    return run(_FORM, partial(_pallas_form, margin=margin, rule=rule, reads=reads), xla, *args,
+               kernel_on_cuda=KERNEL_ON_CUDA)
 
 
 def _xla_form(arrays, index, where, e_n, lse, g, keep, *scalars, margin, rule, gathered, reads):
@@ -117,7 +123,7 @@ def _embedding_grad(weight, index, where, e_n, lse, g, margin, interpret):
         out_specs=pl.BlockSpec((1, GRAD_BLOCK_BATCH, d), lambda b, s: (s, b, 0)),
         out_shape=varying_like(e_n, (shares, *e_n.shape), jnp.float32),
         interpret=interpret, name="rows_embedding_grad",
-        compiler_params=compiler_params(interpret, GRAD_WARPS),
+        compiler_params=compiler_params(interpret, GRAD_WARPS, GRAD_STAGES),
     )(index, where.columns, where.kept, rel, lse, g, e_n, weight)
     return jnp.sum(partial_sums, axis=0)[:n]
 
@@ -160,7 +166,7 @@ def _update(arrays, index, where, e_n, lse, g, keep, scalars, margin, rule, read
         out_shape=[varying_like(a) for a in written],
         input_output_aliases={len(vectors) + len(batch) + len(scalars) + reads + i: i for i in range(len(written))},
         interpret=interpret, name="rows_update",
-        compiler_params=compiler_params(interpret, UPDATE_WARPS),
+        compiler_params=compiler_params(interpret, UPDATE_WARPS, UPDATE_STAGES),
     )(*vectors, *batch, *scalars, *arrays))
 
 

@@ -35,6 +35,7 @@ BLOCK_ROWS = 32  # rows per program
 BLOCK_BATCH = 64  # embeddings per program
 BLOCK_DIM = 64  # the embedding dimension is multiplied in slices of this many
 WARPS = 4  # Triton's warps per program
+STAGES = 1  # Triton's software-pipelining stages of the program's loop
 _FORM = kernel_forms("rows-statistics form")
 forced = _FORM.forced  # forced(form): within the block, trace every statistics pass in that form (None: by platform)
 
@@ -72,7 +73,7 @@ def _pallas_form(weight, index, where, e_n, *, margin, interpret: bool):
         out_specs=[out] * 3,
         out_shape=[varying_like(e_n, (row_blocks, e_n.shape[0]), jnp.float32)] * 3,
         interpret=interpret, name="rows_stats",
-        compiler_params=compiler_params(interpret, WARPS),
+        compiler_params=compiler_params(interpret, WARPS, STAGES),
     )(index, where.columns, where.kept, rel, e_n, weight)
     merged = lax.reduce(tuple(stats), tuple(tiles.empty_stats(())), tiles.merge_stats, (0,))
     return tuple(s[:n] for s in merged)
