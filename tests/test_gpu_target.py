@@ -12,9 +12,12 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import pytest
+from jax.sharding import SingleDeviceSharding
 
-from jaxcls.losses import rows_backward, rows_stats
+from jaxcls import make_mesh
+from jaxcls.losses import arcface, rows_backward, rows_stats, sharded_margin_loss
 from jaxcls.plan import gpu_target
 from jaxcls.plan.hlo import collectives, computations
 from jaxcls.plan.kernels import kernels
@@ -165,6 +168,24 @@ def test_the_row_kernels_compile_for_an_h100_at_full_size(optimizer, weight, sta
     text = compiled.as_text()
     for kernel in ("rows_stats", "rows_embedding_grad", "rows_update"):
         assert f'name = "{kernel}"' in text, kernel
+
+
+@pytest.mark.gpu_target
+def test_the_whole_loss_keeps_no_float32_products_for_its_backward():
+    """sharded_margin_loss without chunks (ArcFace, N = 512, C = 262,144, D = 512, bfloat16 embeddings, float32 weight)
+    compiled for an H100: ~2 float32 [N, C] arrays of temporaries (the logits and their gradient), where autodiff of
+    the cosines' inverse-norm scaling kept the [N, C] products for the backward too (2.5; tiles.tile_cosines' VJP
+    forms the norm's part from the rows' product instead)."""
+    device = gpu_target.gpu_devices("h100", 1)[0]
+    n, c = 512, 1 << 18
+    placed = SingleDeviceSharding(device)
+    args = (jax.ShapeDtypeStruct((n, 512), jnp.bfloat16, sharding=placed),
+            jax.ShapeDtypeStruct((c, 512), jnp.float32, sharding=placed),
+            jax.ShapeDtypeStruct((n,), jnp.int32, sharding=placed))
+    mesh = make_mesh(devices=[device])
+    loss = lambda e, w, y: sharded_margin_loss(e, w, y, arcface(), mesh=mesh, num_classes=c)
+    compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile(gpu_target.COMPILE_OPTIONS)
+    assert compiled.memory_analysis().temp_size_in_bytes < 2.25 * n * c * 4
 
 
 @pytest.mark.gpu_target

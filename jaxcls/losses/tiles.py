@@ -192,11 +192,32 @@ def tile_logits(e_n, w_tile, targets, valid, first, owned, margin: CombinedMargi
     return margin_logits(tile_cosines(e_n, w_tile), where, margin), where.rel
 
 
+@jax.custom_vjp
 def tile_cosines(e_n, w_tile):
     """``[N, T]`` float32 cosines of ``e_n`` with the rows as stored: their products times each row's inverse norm
-    ``[T]`` (no normalized ``[T, D]`` copy is written)."""
+    ``[T]`` (no normalized ``[T, D]`` copy is written). Its gradient keeps no ``[N, T]`` array: the norm's part of
+    the rows' gradient comes from their product with the embeddings (``tile_grad_parts``' two parts)."""
     w32 = w_tile.astype(jnp.float32)
     return cosines(e_n, w32.astype(e_n.dtype)) * inverse_norms(w32)[None, :]
+
+
+def _tile_cosines_fwd(e_n, w_tile):
+    return tile_cosines(e_n, w_tile), (e_n, w_tile)
+
+
+def _tile_cosines_bwd(residuals, d_cos):
+    e_n, w_tile = residuals
+    w32 = w_tile.astype(jnp.float32)
+    squares = jnp.sum(w32 * w32, axis=-1)
+    inverse = inverse_of_squares(squares)
+    _, pull_products = jax.vjp(cosines, e_n, w32.astype(e_n.dtype))
+    d_e, product = pull_products(d_cos * inverse[None, :])
+    # ∂/∂r = Σ_n ∂/∂cos · (e_n · w) = (w · product) / r, with product = Σ_n ∂/∂cos · r · e_n: no [N, T] products kept
+    d_inverse = jnp.sum(w32 * product.astype(jnp.float32), axis=-1) / inverse
+    return d_e, row_gradient(w_tile, product, radial_part(d_inverse, inverse, squares)).astype(w_tile.dtype)
+
+
+tile_cosines.defvjp(_tile_cosines_fwd, _tile_cosines_bwd)
 
 
 def margin_logits(cos, where: TileColumns, margin: CombinedMargin):
