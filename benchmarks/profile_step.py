@@ -5,6 +5,8 @@ the HLO op that launched them.
     python benchmarks/profile_step.py                      # on a GPU: r50, batch 128, 1M classes, PartialFC 0.1, bf16
     python benchmarks/profile_step.py --batch 512 --set fc_dtype=bfloat16
     python benchmarks/profile_step.py --model mbf --batch 512   # jaxcls alone: the plain step is an IResNet-50
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python benchmarks/profile_step.py --classes 36925351 --set fc_dtype=bfloat16 \
+        --jaxcls-only                                      # the FC path at its largest, jaxcls alone
     python benchmarks/profile_step.py --small              # r18 (width 8) at 32 px on the CPU; what the tests run
 
 XLA's command buffers are turned off (each kernel then names its HLO op; the step ran 1% faster with them on an H100).
@@ -113,6 +115,8 @@ def main():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--set", action="append", default=[], help="KEY=VALUE: a jaxcls config key")
+    parser.add_argument("--jaxcls-only", action="store_true", help="without the plain Flax step (at tens of millions "
+                        "of classes its dense rows do not fit beside jaxcls's FC)")
     parser.add_argument("--out", default="benchmarks/results/profile_step.json")
     args = parser.parse_args()
     if args.small:
@@ -129,7 +133,7 @@ def main():
     ours, our_ops = profile(run.compile_step(state), state, (jnp.asarray(images), jnp.asarray(labels)), args.steps)
 
     table, tops = [dict(ours, program="jaxcls")], {"jaxcls": our_ops}
-    if args.model == "r50" or args.small:  # the plain Flax step is an IResNet-50 (or the small mode's narrow one)
+    if (args.model == "r50" or args.small) and not args.jaxcls_only:  # the plain step is an IResNet-50 (or narrow)
         rows = max(1, round(config.num_classes * config.sample_rate))
         step, init = plain_step(plain_model(args.small), rows)
         plain_images = jnp.asarray(images / 127.5 - 1.0, jnp.bfloat16)
