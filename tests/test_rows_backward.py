@@ -95,6 +95,8 @@ GRADIENT_CASES = [(margin, dtype, rows_backward.GRAD_PROGRAMS) for margin in ("a
 def test_both_forms_give_the_float64_gradients_of_the_embeddings_and_the_kept_rows(margin, dtype, programs, rng,
                                                                                    monkeypatch):
     monkeypatch.setattr(rows_backward, "GRAD_PROGRAMS", programs)
+    for name in ("GRAD_BLOCK_DIM", "UPDATE_BLOCK_DIM"):  # the products over two slices of the 32 dimensions
+        monkeypatch.setattr(rows_backward, name, 16)
     margin = MARGINS[margin]
     weight, index, where, e_n = draw_tile(rng, dtype)
     lse = tile_lse(e_n, weight[index], margin, where, rng)

@@ -8,6 +8,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pallas_triton
 
 from jaxcls.losses.tiles import TileColumns
@@ -57,6 +58,21 @@ def block_batch(block: int, e_n, rel, lse=None, g=None) -> tuple:
     if lse is not None:
         padded += (jnp.pad(lse, (0, pad), constant_values=jnp.inf), jnp.pad(g, (0, pad)))
     return padded
+
+
+def sliced_products(e_at, rows_at, d: int, width: int):
+    """``(products [B, R] float32, the rows' squared norms [R] float32)`` of a block of embeddings and a block of
+    rows, a slice of ``width`` of the ``d`` dimensions at a time: ``e_at(columns)`` and ``rows_at(columns)`` load
+    ``[B, width]`` and ``[R, width]`` (a whole ``[·, D]`` operand would sit in registers)."""
+    width = min(width, d)
+    products = squares = None
+    for k in range(d // width):
+        columns = pl.ds(k * width, width)
+        e, rows = e_at(columns), rows_at(columns).astype(jnp.float32)
+        part = pallas_triton.dot(e, rows.astype(e.dtype), trans_b=True).astype(jnp.float32)
+        square = jnp.sum(rows * rows, axis=1)
+        products, squares = (part, square) if products is None else (products + part, squares + square)
+    return products, squares
 
 
 def compiler_params(interpret: bool, num_warps: int, num_stages: int):

@@ -37,23 +37,26 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pallas_triton
 
 from jaxcls.losses import tiles
-from jaxcls.losses.kernel_forms import block_batch, block_columns, block_index, compiler_params, kernel_forms, run
+from jaxcls.losses.kernel_forms import (block_batch, block_columns, block_index, compiler_params, kernel_forms, run,
+                                        sliced_products)
 from jaxcls.losses.margins import CombinedMargin
 from jaxcls.losses.rows_stats import fits_a_block
 from jaxcls.mesh import varying_axes, varying_like
 
-GRAD_BLOCK_BATCH = 32  # embeddings per program of the embeddings' gradient
+GRAD_BLOCK_BATCH = 16  # embeddings per program of the embeddings' gradient
 GRAD_BLOCK_ROWS = 32  # rows it multiplies at a time
 GRAD_PROGRAMS = 256  # it splits the tile's rows into shares until about this many programs run
-GRAD_WARPS = 8  # Triton's warps per program: its [32, D] float32 sum is large
+GRAD_WARPS = 8  # Triton's warps per program
 UPDATE_BLOCK_ROWS = 16  # rows per program of the update (Triton's products need 16 or more); each program reads
-UPDATE_BLOCK_BATCH = 32  # the whole batch, this many embeddings at a time (from L2: N·D per block of rows)
-UPDATE_WARPS = 4
+UPDATE_BLOCK_BATCH = 16  # the whole batch, this many embeddings at a time (from L2: N·D per block of rows)
+UPDATE_WARPS = 8
+GRAD_BLOCK_DIM = UPDATE_BLOCK_DIM = 64  # the cosines' products take the embedding dimension in slices of this many
 GRAD_STAGES = UPDATE_STAGES = 1  # Triton's software-pipelining stages of each kernel's loop
-# Untuned (benchmarks/fc_kernels.py --set rows_backward.NAME=VALUE tries others). Timed on an H100 (2026-11-26) with
-# these settings, the kernels took 1.3-1.5x the time of XLA's form for a 65,536-row tile at N = 128, and the chunked
-# loss about 3x at N = 512: until tuned kernels beat it, XLA's form is the default on CUDA GPUs too (forced("pallas")
-# runs the kernels).
+# Chosen by registers, compiled for an H100 (benchmarks/fc_kernels.py --registers): 128 a thread in both kernels, no
+# spills, two programs an SM. Not yet timed: the settings an H100 timed on 2026-11-26 (whole-D products, 32
+# embeddings a block, 4 warps in the update: 202 and 255 registers, spills) took 1.3-1.5x the time of XLA's form for a
+# 65,536-row tile at N = 128, and the chunked loss about 3x at N = 512, so XLA's form is the default on CUDA GPUs too
+# (forced("pallas") runs the kernels) until timed kernels beat it (fc_kernels.py --set rows_backward.NAME=V1,V2).
 KERNEL_ON_CUDA = False
 _FORM = kernel_forms("rows-backward form")
 forced = _FORM.forced  # forced(form): within the block, trace every tile_backward in that form (None: by platform)
@@ -135,13 +138,13 @@ def _embedding_grad_kernel(index_ref, columns_ref, kept_ref, rel_ref, lse_ref, g
 
     def add_block(r, d_e):  # the gradient through GRAD_BLOCK_ROWS of this program's rows
         at = pl.ds(r * GRAD_BLOCK_ROWS, GRAD_BLOCK_ROWS)
-        rows = weight_ref[index_ref[at], :].astype(jnp.float32)
-        inverse = tiles.inverse_of_squares(jnp.sum(rows * rows, axis=1))
-        rows = rows.astype(e.dtype)
-        products = pallas_triton.dot(e, rows, trans_b=True).astype(jnp.float32)
+        index = index_ref[at]
+        products, squares = sliced_products(lambda columns: e_ref[:, columns],
+                                            lambda columns: weight_ref[index, columns], e.shape[1], GRAD_BLOCK_DIM)
         where = tiles.TileColumns(rel, columns_ref[at], kept_ref[at])
-        d_products, _ = tiles.cosine_grads(products, inverse, where, margin, lse, g)
-        return d_e + pallas_triton.dot(d_products.astype(dtype), rows.astype(dtype)).astype(jnp.float32)
+        d_products, _ = tiles.cosine_grads(products, tiles.inverse_of_squares(squares), where, margin, lse, g)
+        rows = weight_ref[index, :].astype(e.dtype).astype(dtype)
+        return d_e + pallas_triton.dot(d_products.astype(dtype), rows).astype(jnp.float32)
 
     d_e = lax.fori_loop(0, index_ref.shape[0] // GRAD_BLOCK_ROWS, add_block, jnp.zeros(e.shape, jnp.float32))
     out_ref[...] = d_e[None]
@@ -174,27 +177,28 @@ def _update_kernel(index_ref, columns_ref, kept_ref, keep_ref, rel_ref, lse_ref,
                    num_scalars, num_written):
     scalar_refs, array_refs, out_refs = refs[:num_scalars], refs[num_scalars:-num_written], refs[-num_written:]
     index = index_ref[...]
-    old = tuple(a[index, :] for a in array_refs)
-    rows = old[0].astype(jnp.float32)
-    squares = jnp.sum(rows * rows, axis=1)
-    inverse = tiles.inverse_of_squares(squares)
-    rows = rows.astype(e_ref.dtype)
+    weight_ref, (n, d) = array_refs[0], e_ref.shape
     dtype = tiles.gradient_product_dtype(e_ref.dtype)
     columns, kept = columns_ref[...], kept_ref[...]
 
     def add_block(b, sums):  # the rows' gradient parts through UPDATE_BLOCK_BATCH embeddings
-        product, d_inverse = sums
+        product, d_inverse, _ = sums
         at = pl.ds(b * UPDATE_BLOCK_BATCH, UPDATE_BLOCK_BATCH)
-        e = e_ref[at, :]
-        products = pallas_triton.dot(e, rows, trans_b=True).astype(jnp.float32)
+        products, squares = sliced_products(lambda dims: e_ref[at, dims], lambda dims: weight_ref[index, dims], d,
+                                            UPDATE_BLOCK_DIM)  # the rows' slices come from L1/L2 after the first
         where = tiles.TileColumns(rel_ref[at], columns, kept)
+        inverse = tiles.inverse_of_squares(squares)
         d_products, d_block = tiles.cosine_grads(products, inverse, where, margin, lse_ref[at], g_ref[at])
-        product += pallas_triton.dot(d_products.astype(dtype), e.astype(dtype), trans_a=True).astype(jnp.float32)
-        return product, d_inverse + d_block
+        e = e_ref[at, :].astype(dtype)
+        product += pallas_triton.dot(d_products.astype(dtype), e, trans_a=True).astype(jnp.float32)
+        return product, d_inverse + d_block, squares
 
-    zeros = jnp.zeros(rows.shape, jnp.float32), jnp.zeros(index.shape, jnp.float32)
-    product, d_inverse = lax.fori_loop(0, e_ref.shape[0] // UPDATE_BLOCK_BATCH, add_block, zeros)
+    zeros = jnp.zeros((index.shape[0], d), jnp.float32), jnp.zeros(index.shape, jnp.float32)
+    product, d_inverse, squares = lax.fori_loop(0, n // UPDATE_BLOCK_BATCH, add_block, (*zeros, zeros[1]))
+    inverse = tiles.inverse_of_squares(squares)
     row_grad = product.astype(e_ref.dtype), tiles.radial_part(d_inverse, inverse, squares)
+    # the rows and slots as stored are read again here, not held through the loop (registers: 255 and spills before)
+    old = tuple(a[index, :] for a in array_refs)
     new = rule(old, row_grad, *(s[0] for s in scalar_refs))
     keep = keep_ref[...]
     for out, n, o in zip(out_refs, new, old[len(old) - num_written:]):

@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pallas_triton
 
 from jaxcls.losses import tiles
-from jaxcls.losses.kernel_forms import block_batch, block_columns, block_index, compiler_params, kernel_forms, run
+from jaxcls.losses.kernel_forms import (block_batch, block_columns, block_index, compiler_params, kernel_forms, run,
+                                        sliced_products)
 from jaxcls.losses.margins import CombinedMargin
 from jaxcls.mesh import varying_like
 
@@ -66,7 +66,7 @@ def _pallas_form(weight, index, where, e_n, *, margin, interpret: bool):
     batch = pl.BlockSpec((BLOCK_BATCH,), lambda b, r: (b,))
     out = pl.BlockSpec((1, BLOCK_BATCH), lambda b, r: (r, b))
     stats = pl.pallas_call(
-        partial(_kernel, margin=margin, dim_slices=d // min(BLOCK_DIM, d)),
+        partial(_kernel, margin=margin),
         grid=(batch_blocks, row_blocks),  # the batch blocks of one row block run side by side: its rows hit L2
         in_specs=[rows, rows, rows, batch, pl.BlockSpec((BLOCK_BATCH, d), lambda b, r: (b, 0)),
                   pl.BlockSpec(weight.shape, lambda b, r: (0, 0))],
@@ -79,17 +79,10 @@ def _pallas_form(weight, index, where, e_n, *, margin, interpret: bool):
     return tuple(s[:n] for s in merged)
 
 
-def _kernel(index_ref, columns_ref, kept_ref, rel_ref, e_ref, weight_ref, max_ref, sum_ref, target_ref, *, margin,
-            dim_slices):
+def _kernel(index_ref, columns_ref, kept_ref, rel_ref, e_ref, weight_ref, max_ref, sum_ref, target_ref, *, margin):
     index = index_ref[...]
-    width = e_ref.shape[1] // dim_slices
-    products = jnp.zeros((e_ref.shape[0], index.shape[0]), jnp.float32)
-    squares = jnp.zeros(index.shape, jnp.float32)
-    for k in range(dim_slices):  # [B, D] · [R, D]ᵀ a slice of D at a time, the rows' squared norms alike
-        columns = pl.ds(k * width, width)
-        rows = weight_ref[index, columns].astype(jnp.float32)
-        squares += jnp.sum(rows * rows, axis=1)
-        products += pallas_triton.dot(e_ref[:, columns], rows.astype(e_ref.dtype), trans_b=True).astype(jnp.float32)
+    products, squares = sliced_products(lambda columns: e_ref[:, columns],
+                                        lambda columns: weight_ref[index, columns], e_ref.shape[1], BLOCK_DIM)
     cos = products * tiles.inverse_of_squares(squares)[None, :]
     where = tiles.TileColumns(rel_ref[...], columns_ref[...], kept_ref[...])
     statistics = tiles.statistics_of_cosines(cos, where, margin,
