@@ -67,9 +67,7 @@ def backward_row(case, form, c, d, t, n, iters, warmup, rng):
     slots = tuple(a for i in range(optimizer.num_slots)
                   for a in encode(jax.random.normal(keys[1 + i], (c, d)) ** (i + 1), jnp.dtype(state_dtype)))
     arrays = (weight, *slots)
-    index, where, e_n = _tile(c, d, t, n, rng)
-    high, total, _ = _statistics("xla", index, where, e_n)(weight)
-    lse, g = high + jnp.log(total), jnp.full((n,), 1.0 / n, jnp.float32)
+    index, where, e_n, lse, g = _tile_with_gradient(weight, t, n, rng)
 
     def stepper(form):
         def step(arrays):
@@ -99,9 +97,7 @@ def backward_row(case, form, c, d, t, n, iters, warmup, rng):
 def embedding_grad_row(weight_dtype, form, c, d, t, n, iters, warmup, rng):
     """The backward without the update: the embeddings' gradient alone (in the kernel form, its kernel alone)."""
     weight = jax.random.normal(jax.random.key(int(rng.integers(2**31))), (c, d), weight_dtype)
-    index, where, e_n = _tile(c, d, t, n, rng)
-    high, total, _ = _statistics("xla", index, where, e_n)(weight)
-    lse, g = high + jnp.log(total), jnp.full((n,), 1.0 / n, jnp.float32)
+    index, where, e_n, lse, g = _tile_with_gradient(weight, t, n, rng)
 
     def gradient(form):
         def d_e(weight):
@@ -154,6 +150,14 @@ def register_rows(settings: dict, n: int, sms: int = 132) -> list[dict]:
                          registers=r["registers"], spill_bytes=r["spill_bytes"], programs_per_sm=r["programs_per_sm"],
                          waves=programs / (sms * r["programs_per_sm"]), settings=settings))
     return rows
+
+
+def _tile_with_gradient(weight, t, n, rng):
+    """``_tile``'s rows, columns and embeddings for ``weight``, with the tile's log-sum-exp and each embedding's
+    weight in the loss (``1/n``), as a backward gets them."""
+    index, where, e_n = _tile(*weight.shape, t, n, rng)
+    high, total, _ = _statistics("xla", index, where, e_n)(weight)
+    return index, where, e_n, high + jnp.log(total), jnp.full((n,), 1.0 / n, jnp.float32)
 
 
 def _tile(c, d, t, n, rng):
