@@ -1,6 +1,7 @@
 """A tile's backward pass from the rows it picks by index: the embeddings' gradient, and one optimizer step on the rows
 with their gradient formed where they are updated, each row written once (and read from memory once in the kernels'
-form: its repeated reads there, a slice at a time per block of embeddings and once more for the rule, hit the cache).
+form: its repeated reads there, a slice at a time per block of embeddings and once more for the rule, are meant to
+hit L1/L2; not yet measured).
 
 ``tile_backward(arrays, index, where, e_n, lse, g, margin, gathered, keep, rule, *scalars)`` returns
 ``(d_e, arrays)``: the gradient ``[N, D]`` float32 of ``Σ_n g[n]·loss[n]`` w.r.t. ``e_n`` through the tile of rows
