@@ -56,16 +56,20 @@ def moved_bytes(fc_dtype: str, classes: int, batch: int, model: str, input_size:
 
 
 def loss_alone_bytes(n: int, classes: int, chunk: int | None, device) -> collections.Counter:
-    """Bytes per source line the kernels of ``value_and_grad(sharded_margin_loss)`` (ArcFace, D = 512, bfloat16, as
-    ``benchmarks/loss.py`` times it on a GPU) read and write, compiled for ``device``."""
+    """Bytes per source line the kernels of ``compiled_loss_alone`` read and write."""
+    return moved_by_origin(kernels(compiled_loss_alone(n, classes, chunk, device).as_text()))
+
+
+def compiled_loss_alone(n: int, classes: int, chunk: int | None, device):
+    """``value_and_grad(sharded_margin_loss)`` (ArcFace, D = 512, bfloat16 embeddings, float32 weight, as
+    ``benchmarks/loss.py`` times it on a GPU) compiled for ``device``."""
     mesh = make_mesh(devices=[device])
     placed = jax.sharding.SingleDeviceSharding(device)
     args = (jax.ShapeDtypeStruct((n, 512), jnp.bfloat16, sharding=placed),
             jax.ShapeDtypeStruct((classes, 512), jnp.float32, sharding=placed),
             jax.ShapeDtypeStruct((n,), jnp.int32, sharding=placed))
     loss = lambda e, w, y: sharded_margin_loss(e, w, y, arcface(), mesh=mesh, num_classes=classes, chunk_size=chunk)
-    compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile(gpu_target.COMPILE_OPTIONS)
-    return moved_by_origin(kernels(compiled.as_text()))
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile(gpu_target.COMPILE_OPTIONS)
 
 
 def main():

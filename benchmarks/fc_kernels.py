@@ -46,6 +46,7 @@ from jaxcls.plan import gpu_target, ptx
 UPDATES = [("sgd", "bfloat16", "bfloat16"), ("sgd", "float32", "float32"), ("sgd", "bfloat16", "int8"),
            ("adamw", "float32", "float32")]  # (optimizer, weight, state)
 STATISTICS = ["bfloat16", "float32"]  # the weight's dtype; the embeddings are bfloat16
+TUNABLE = {"rows_stats": rows_stats, "rows_backward": rows_backward}  # the modules whose constants --set sets
 
 
 def timed(run, iters, warmup) -> float:
@@ -206,7 +207,7 @@ def _settings(settings: list[str]) -> list[dict[str, int]]:
     for setting in settings:
         name, _, value = setting.partition("=")
         module, _, constant = name.partition(".")
-        target = {"rows_stats": rows_stats, "rows_backward": rows_backward}.get(module)
+        target = TUNABLE.get(module)
         if target is None or not constant.isupper() or not isinstance(getattr(target, constant, None), int):
             raise SystemExit(f"--set {setting}: expected rows_stats.NAME=INT[,INT...] or rows_backward.NAME=INT[,...], "
                              f"NAME one of their upper-case integer constants")
@@ -218,7 +219,7 @@ def _settings(settings: list[str]) -> list[dict[str, int]]:
 def _apply(settings: dict[str, int]) -> None:
     for name, value in settings.items():
         module, _, constant = name.partition(".")
-        setattr({"rows_stats": rows_stats, "rows_backward": rows_backward}[module], constant, value)
+        setattr(TUNABLE[module], constant, value)
 
 
 def main():
@@ -248,20 +249,16 @@ def main():
     sizes = (c, d, t, args.batch or n, iters, warmup)
     kernel = "pallas" if jax.devices()[0].platform == "gpu" else "pallas_interpret"
     updates = [case for case in UPDATES if args.update is None or "/".join(case) in args.update]
+    kernels = {"stats": (stats_row, STATISTICS), "embedding_grad": (embedding_grad_row, STATISTICS),
+               "backward": (backward_row, updates)}  # each kernel's row and its cases
     rows = []
     for i, settings in enumerate(_settings(args.set)):
         _apply(settings)
         forms = ["xla", kernel] if i == 0 else [kernel]
         rng = np.random.default_rng(0)
-        if "stats" in (args.kernel or ["stats"]):
-            rows += [dict(stats_row(dtype, form, *sizes, rng), settings=settings if form != "xla" else {})
-                     for dtype in STATISTICS for form in forms]
-        if "embedding_grad" in (args.kernel or ["embedding_grad"]):
-            rows += [dict(embedding_grad_row(dtype, form, *sizes, rng), settings=settings if form != "xla" else {})
-                     for dtype in STATISTICS for form in forms]
-        if "backward" in (args.kernel or ["backward"]):
-            rows += [dict(backward_row(case, form, *sizes, rng), settings=settings if form != "xla" else {})
-                     for case in updates for form in forms]
+        rows += [dict(row(case, form, *sizes, rng), settings=settings if form != "xla" else {})
+                 for name, (row, cases) in kernels.items() if name in (args.kernel or kernels)
+                 for case in cases for form in forms]
     print_table(rows, ["kernel", "case", "form", "ms", "least_GB_per_s", "diff_vs_xla", "d_e_diff_vs_xla"])
     write_json(args.out, rows)
 

@@ -12,12 +12,9 @@ import sys
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import pytest
-from jax.sharding import SingleDeviceSharding
 
-from jaxcls import make_mesh
-from jaxcls.losses import arcface, rows_backward, rows_stats, sharded_margin_loss
+from jaxcls.losses import rows_backward, rows_stats
 from jaxcls.plan import gpu_target
 from jaxcls.plan.hlo import collectives, computations
 from jaxcls.plan.kernels import kernels
@@ -176,15 +173,8 @@ def test_the_whole_loss_keeps_no_float32_products_for_its_backward():
     compiled for an H100: ~2 float32 [N, C] arrays of temporaries (the logits and their gradient), where autodiff of
     the cosines' inverse-norm scaling kept the [N, C] products for the backward too (2.5; tiles.tile_cosines' VJP
     forms the norm's part from the rows' product instead)."""
-    device = gpu_target.gpu_devices("h100", 1)[0]
     n, c = 512, 1 << 18
-    placed = SingleDeviceSharding(device)
-    args = (jax.ShapeDtypeStruct((n, 512), jnp.bfloat16, sharding=placed),
-            jax.ShapeDtypeStruct((c, 512), jnp.float32, sharding=placed),
-            jax.ShapeDtypeStruct((n,), jnp.int32, sharding=placed))
-    mesh = make_mesh(devices=[device])
-    loss = lambda e, w, y: sharded_margin_loss(e, w, y, arcface(), mesh=mesh, num_classes=c)
-    compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile(gpu_target.COMPILE_OPTIONS)
+    compiled = benchmark("fc_bytes_per_row").compiled_loss_alone(n, c, None, gpu_target.gpu_devices("h100", 1)[0])
     assert compiled.memory_analysis().temp_size_in_bytes < 2.25 * n * c * 4
 
 

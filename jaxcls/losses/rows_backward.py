@@ -179,7 +179,7 @@ def _update_kernel(index_ref, columns_ref, kept_ref, keep_ref, rel_ref, lse_ref,
                    num_scalars, num_written):
     scalar_refs, array_refs, out_refs = refs[:num_scalars], refs[num_scalars:-num_written], refs[-num_written:]
     index = index_ref[...]
-    weight_ref, (n, d) = array_refs[0], e_ref.shape
+    weight_ref, (batch, d) = array_refs[0], e_ref.shape
     dtype = tiles.gradient_product_dtype(e_ref.dtype)
     columns, kept = columns_ref[...], kept_ref[...]
 
@@ -193,14 +193,16 @@ def _update_kernel(index_ref, columns_ref, kept_ref, keep_ref, rel_ref, lse_ref,
         d_products, d_block = tiles.cosine_grads(products, inverse, where, margin, lse_ref[at], g_ref[at])
         e = e_ref[at, :].astype(dtype)
         product += pallas_triton.dot(d_products.astype(dtype), e, trans_a=True).astype(jnp.float32)
-        return product, d_inverse + d_block, squares
+        return product, d_inverse + d_block, squares  # the rows' squared norms, the same in every block
 
-    zeros = jnp.zeros((index.shape[0], d), jnp.float32), jnp.zeros(index.shape, jnp.float32)
-    product, d_inverse, squares = lax.fori_loop(0, n // UPDATE_BLOCK_BATCH, add_block, (*zeros, zeros[1]))
+    no_rows = jnp.zeros(index.shape, jnp.float32)
+    product, d_inverse, squares = lax.fori_loop(0, batch // UPDATE_BLOCK_BATCH, add_block,
+                                                (jnp.zeros((index.shape[0], d), jnp.float32), no_rows, no_rows))
+    # carried out of the loop rather than recomputed from the rows read below: that held 174 registers, this 128
     inverse = tiles.inverse_of_squares(squares)
-    row_grad = product.astype(e_ref.dtype), tiles.radial_part(d_inverse, inverse, squares)
     # the rows and slots as stored are read again here, not held through the loop (registers: 255 and spills before)
     old = tuple(a[index, :] for a in array_refs)
+    row_grad = product.astype(e_ref.dtype), tiles.radial_part(d_inverse, inverse, squares)
     new = rule(old, row_grad, *(s[0] for s in scalar_refs))
     keep = keep_ref[...]
     for out, n, o in zip(out_refs, new, old[len(old) - num_written:]):

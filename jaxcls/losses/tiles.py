@@ -197,8 +197,8 @@ def tile_cosines(e_n, w_tile):
     """``[N, T]`` float32 cosines of ``e_n`` with the rows as stored: their products times each row's inverse norm
     ``[T]`` (no normalized ``[T, D]`` copy is written). Its gradient keeps no ``[N, T]`` array: the norm's part of
     the rows' gradient comes from their product with the embeddings (``tile_grad_parts``' two parts)."""
-    w32 = w_tile.astype(jnp.float32)
-    return cosines(e_n, w32.astype(e_n.dtype)) * inverse_norms(w32)[None, :]
+    w32, _, inverse = row_norms(w_tile)
+    return cosines(e_n, w32.astype(e_n.dtype)) * inverse[None, :]
 
 
 def _tile_cosines_fwd(e_n, w_tile):
@@ -207,9 +207,7 @@ def _tile_cosines_fwd(e_n, w_tile):
 
 def _tile_cosines_bwd(residuals, d_cos):
     e_n, w_tile = residuals
-    w32 = w_tile.astype(jnp.float32)
-    squares = jnp.sum(w32 * w32, axis=-1)
-    inverse = inverse_of_squares(squares)
+    w32, squares, inverse = row_norms(w_tile)
     _, pull_products = jax.vjp(cosines, e_n, w32.astype(e_n.dtype))
     d_e, product = pull_products(d_cos * inverse[None, :])
     # ∂/∂r = Σ_n ∂/∂cos · (e_n · w) = (w · product) / r, with product = Σ_n ∂/∂cos · r · e_n: no [N, T] products kept
@@ -288,9 +286,7 @@ def tile_grad_parts(e_n, w_tile, where: TileColumns, margin: CombinedMargin, lse
     ``[T, D]`` (in ``e_n``'s dtype, as ``cosines`` multiplies) and ``radial = r³ Σ_n ∂/∂cos · (e_n · w)`` ``[T]``
     float32, the derivative of the norm (a projection: the row gradient has no component along the row).
     """
-    w32 = w_tile.astype(jnp.float32)
-    squares = jnp.sum(w32 * w32, axis=-1)
-    inverse = inverse_of_squares(squares)
+    w32, squares, inverse = row_norms(w_tile)
     products, pull_products = jax.vjp(cosines, e_n, w32.astype(e_n.dtype))
     d_products, d_inverse = cosine_grads(products, inverse, where, margin, lse, g)
     d_e, product = pull_products(d_products)
@@ -304,6 +300,13 @@ def cosine_grads(products, inverse, where: TileColumns, margin: CombinedMargin, 
     is_target = where.columns[None, :] == where.rel[:, None]
     # autodiff sums each row's part over the batch and over the mesh axes where the rows are replicated
     return pull((jnp.exp(logits - lse[:, None]) - is_target.astype(jnp.float32)) * g[:, None])
+
+
+def row_norms(w_tile):
+    """``(rows as float32 [T, D], their squared norms [T], inverse norms [T])`` of a tile's rows as stored."""
+    w32 = w_tile.astype(jnp.float32)
+    squares = jnp.sum(w32 * w32, axis=-1)
+    return w32, squares, inverse_of_squares(squares)
 
 
 def radial_part(d_inverse, inverse, squares):

@@ -87,7 +87,8 @@ def triton_resources(compile_with: Callable[[dict], object], arch: str = "sm_90a
         launches = triton_launches(compiled.as_text())
         assembled = {}
         for ptx in sorted(Path(dump).glob("*.ptx")):
-            if any(f".entry {name}(" in ptx.read_text() for name in launches):
+            text = ptx.read_text()
+            if any(f".entry {name}(" in text for name in launches):
                 assembled |= registers(ptx, arch)
     return {name: dict(launch, **assembled[name],
                        programs_per_sm=programs_per_sm(assembled[name]["registers"], launch["warps"]))
