@@ -55,9 +55,10 @@ def moved_bytes(fc_dtype: str, classes: int, batch: int, model: str, input_size:
     return moved_by_origin(kernels(compiled.as_text())), rows
 
 
-def loss_alone_bytes(n: int, classes: int, chunk: int | None, device) -> collections.Counter:
-    """Bytes per source line the kernels of ``compiled_loss_alone`` read and write."""
-    return moved_by_origin(kernels(compiled_loss_alone(n, classes, chunk, device).as_text()))
+def loss_alone_bytes(n: int, classes: int, chunk: int | None, device) -> tuple[collections.Counter, int]:
+    """Bytes per source line the kernels of ``compiled_loss_alone`` read and write, and its temporaries' bytes."""
+    compiled = compiled_loss_alone(n, classes, chunk, device)
+    return moved_by_origin(kernels(compiled.as_text())), compiled.memory_analysis().temp_size_in_bytes
 
 
 def compiled_loss_alone(n: int, classes: int, chunk: int | None, device):
@@ -96,12 +97,12 @@ def main():
 def loss_alone_rows(device) -> list[dict]:
     rows = []
     for chunk in (None, 131_072):
-        lines = loss_alone_bytes(512, 1 << 20, chunk, device)
+        lines, temp = loss_alone_bytes(512, 1 << 20, chunk, device)
         moved = sum(lines.values())
         rows.append({"loss": "sharded" if chunk is None else f"sharded chunk={chunk}", "N": 512, "C": 1 << 20,
-                     "moved_GiB": moved / 2**30, "ms_at_3.35_TB_per_s": moved / 3.35e12 * 1e3,
+                     "moved_GiB": moved / 2**30, "ms_at_3.35_TB_per_s": moved / 3.35e12 * 1e3, "temp_GB": temp / 1e9,
                      "GiB_by_line": {k: v / 2**30 for k, v in lines.most_common() if v >= 2**28}})
-    print_table(rows, ["loss", "N", "C", "moved_GiB", "ms_at_3.35_TB_per_s"])
+    print_table(rows, ["loss", "N", "C", "moved_GiB", "ms_at_3.35_TB_per_s", "temp_GB"])
     return rows
 
 
