@@ -2,7 +2,8 @@
 
     python benchmarks/fc_bytes_per_row.py                 # bfloat16 and float32 FC states, 4M and 16M classes
     python benchmarks/fc_bytes_per_row.py --classes 2000000 8000000 --fc-dtype bfloat16
-    python benchmarks/fc_bytes_per_row.py --small         # 64k and 256k classes, what the tests run
+    python benchmarks/fc_bytes_per_row.py --small         # 64k and 256k classes, a quick look
+    python benchmarks/fc_bytes_per_row.py --fc-dtype bfloat16 --fc-kernels pallas   # what the tests run
 
 The train step (batch 128 or ``--batch``, PartialFC 0.1, D = 512, bfloat16 compute, SGD with momentum) is
 compiled for one H100 (``jaxcls.plan.gpu_target``) at two class counts; the bytes its kernels read and write
