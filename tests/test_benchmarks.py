@@ -33,6 +33,7 @@ SCRIPTS = {
     "mbf_convolutions.py": {"part", "lowering", "batch"},
     "fc_bytes_per_row.py": {"fc_dtype", "sampled_rows", "moved_bytes", "kb_per_sampled_row", "floor_kb"},
     "fc_kernels.py": {"kernel", "case", "form", "ms", "least_GB_per_s", "diff_vs_xla"},
+    "partialfc_draw.py": {"classes", "rows", "form", "ms"},
 }
 NEEDS = {"inference_runtimes.py": "jax2onnx"}
 GPU_TARGET = {"gpu_plan.py", "gpu_program.py"}  # compile for a GPU: JAX's CUDA plugin
