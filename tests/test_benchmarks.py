@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import COMPILATION_CACHE
@@ -33,7 +34,7 @@ SCRIPTS = {
     "mbf_convolutions.py": {"part", "lowering", "batch"},
     "fc_bytes_per_row.py": {"fc_dtype", "sampled_rows", "moved_bytes", "kb_per_sampled_row", "floor_kb"},
     "fc_kernels.py": {"kernel", "case", "form", "ms", "least_GB_per_s", "diff_vs_xla"},
-    "partialfc_draw.py": {"classes", "rows", "form", "ms"},
+    "partialfc_draw.py": {"classes", "rows", "form", "ms", "temp_bytes_per_class"},
 }
 NEEDS = {"inference_runtimes.py": "jax2onnx"}
 GPU_TARGET = {"gpu_plan.py", "gpu_program.py"}  # compile for a GPU: JAX's CUDA plugin
@@ -88,6 +89,34 @@ def test_fc_state_accuracy_summarises_each_storage_over_its_seeds():
     assert table["float32"]["seeds"] == [0, 1] and table["float32"]["accuracy"] == [0.9, 0.7]
     assert table["float32"]["mean"] == pytest.approx(0.8) and table["float32"]["sd"] == pytest.approx(0.1 * 2 ** 0.5)
     assert table["int8"]["mean"] == 0.8 and table["int8"]["sd"] is None
+
+
+def test_the_sort_free_partialfc_draw_takes_the_rows_jaxcls_takes(rng):
+    """benchmarks/partialfc_draw.py's candidate: top_rows is lax.top_k's rows, sorted, on keys with many ties at the
+    threshold, few, all equal, for every count; and draw_keys orders the classes as jaxcls' sampler does."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxcls import batch_sharding, make_mesh
+    from jaxcls.fc.sampling import sample_budget, sample_classes
+
+    spec = importlib.util.spec_from_file_location("partialfc_draw", ROOT / "benchmarks" / "partialfc_draw.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    take = jax.jit(script.top_rows, static_argnums=1)
+    for _ in range(12):
+        c = int(rng.integers(1, 200))
+        keys = jnp.asarray(rng.integers(0, int(rng.choice([1, 2, 3, 7, 2**24])), size=c), jnp.int32)
+        for count in {1, c, int(rng.integers(1, c + 1))}:
+            np.testing.assert_array_equal(take(keys, count), script.by_sorting(keys, count), f"{keys} {count}")
+    mesh = make_mesh(1, 1, devices=jax.devices()[:1])
+    c, key = int(rng.integers(500, 3000)), jax.random.key(int(rng.integers(2**31)))
+    labels = rng.integers(0, c, size=16).astype(np.int32)
+    budget = sample_budget(c, 16, 0.1)
+    drawn = sample_classes(key, jax.device_put(labels, batch_sharding(mesh)), mesh=mesh, num_classes=c, num_rows=c,
+                           sample_rate=0.1).rows
+    keys = script.draw_keys(jax.random.fold_in(key, 0), jnp.asarray(labels), c)  # shard 0's key, as the sampler's
+    np.testing.assert_array_equal(take(keys, budget), drawn)
 
 
 @pytest.mark.slow

@@ -2,7 +2,6 @@
 
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from scipy import stats
@@ -10,7 +9,7 @@ from scipy import stats
 from conftest import MESH_SHAPES
 from jaxcls import batch_sharding, class_shards, make_mesh
 from jaxcls.losses import arcface, cosface, init_weight, sharded_margin_loss
-from jaxcls.fc.sampling import check_sample_rate, gather_rows, sample_budget, sample_classes, top_rows
+from jaxcls.fc.sampling import check_sample_rate, gather_rows, sample_budget, sample_classes
 from problems import draw
 from reference import rel_err, value_and_grads
 
@@ -44,42 +43,6 @@ def test_positives_always_present_negatives_distinct(mesh_shape, class_axes, rng
         own = {int(y) for y in np.asarray(labels) if s * c_local <= y < (s + 1) * c_local}
         assert own <= set(per_shard[s].tolist()), "every positive on the shard is sampled"
         assert np.all(per_shard[s] < c) or budget > c - s * c_local, "padding only when real rows run out"
-
-
-def test_top_rows_are_lax_top_k_ascending_ties_lowest_index_first(rng):
-    """top_rows against jnp.sort(lax.top_k(...)[1]) on keys with few distinct values (many ties at the threshold),
-    with many distinct ones, all equal, and every count from 1 to all."""
-    take = jax.jit(top_rows, static_argnums=1)
-    for _ in range(12):
-        c = int(rng.integers(1, 200))
-        keys = rng.integers(0, int(rng.choice([1, 2, 3, 7, 2**24])), size=c).astype(np.int32)
-        for count in {1, c, int(rng.integers(1, c + 1))}:
-            want = np.sort(np.asarray(jax.lax.top_k(jnp.asarray(keys), count)[1]))
-            np.testing.assert_array_equal(np.asarray(take(jnp.asarray(keys), count)), want, f"{keys} {count}")
-    with pytest.raises(ValueError, match="cannot take the 6 largest of 5 keys"):
-        top_rows(jnp.zeros(5, jnp.int32), 6)
-
-
-@pytest.mark.parametrize("class_axes", [("data", "class"), ("class",)], ids=["all_devices", "class_only"])
-@pytest.mark.parametrize("mesh_shape", [(1, 8), (2, 4)], ids=str)
-def test_the_sample_is_lax_top_k_of_uniform_scores(mesh_shape, class_axes, rng):
-    """The sample without a sort is the one drawn before by sorting: per shard, jax.random.uniform scores of its
-    fold_in key, positives set to 2 and padding to -1, lax.top_k, sorted."""
-    mesh = make_mesh(*mesh_shape)
-    shards = class_shards(mesh, class_axes)
-    c = shards * int(rng.integers(30, 90)) - int(rng.integers(0, shards))
-    rate = float(rng.choice([0.05, 0.2, 0.7]))
-    key = jax.random.key(int(rng.integers(2**31)))
-    labels, sample, rows = draw(rng, mesh, c, 8 * int(rng.integers(1, 4)), rate, class_axes, key=key)
-    c_local = rows // shards
-    budget = sample_budget(c_local, labels.shape[0], rate)
-    for s in range(shards):
-        classes = s * c_local + np.arange(c_local)
-        scores = np.asarray(jax.random.uniform(jax.random.fold_in(key, s), (c_local,)))
-        scores = np.where(classes < c, scores, -1.0)
-        scores[np.isin(classes, np.asarray(labels))] = 2.0
-        want = np.sort(np.asarray(jax.lax.top_k(jnp.asarray(scores), budget)[1]))
-        np.testing.assert_array_equal(np.asarray(sample.rows).reshape(shards, budget)[s], want)
 
 
 def test_negatives_uniform_and_different_per_shard():

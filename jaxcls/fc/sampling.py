@@ -81,55 +81,13 @@ def _sample_shard(key, labels, *, c_local, budget, num_classes, class_axes):
     if budget == c_local:  # every row: nothing to draw
         rows = jnp.arange(c_local, dtype=jnp.int32)
     else:
-        rows = top_rows(draw_keys(jax.random.fold_in(key, shard), labels, first, c_local, num_classes), budget)
+        scores = jax.random.uniform(jax.random.fold_in(key, shard), (c_local,))
+        scores = jnp.where(first + jnp.arange(c_local) < num_classes, scores, -1.0)  # padding last
+        local = labels - first
+        positives = jnp.where((local >= 0) & (local < c_local), local, c_local)
+        scores = scores.at[positives].set(2.0, mode="drop")
+        rows = jnp.sort(lax.top_k(scores, budget)[1]).astype(jnp.int32)
     return ClassSample(rows, rows + first)
-
-
-DRAW_BITS = 23  # the random bits of a class's key: those of a float32 jax.random.uniform draw
-POSITIVE_KEY = 2**DRAW_BITS + 1  # above every draw: the batch's classes are always in
-PADDING_KEY = 0  # below every draw: padding rows are the last to be taken
-
-
-def draw_keys(key, labels, first: int, c_local: int, num_classes: int) -> jax.Array:
-    """Each of a shard's ``c_local`` classes (from ``first`` on) its key ``[c_local]`` int32: ``1 + `` 23 random bits
-    for a real class, ``POSITIVE_KEY`` for a class of ``labels`` ``[N]``, ``PADDING_KEY`` past ``num_classes``.
-
-    The random keys order the classes, ties included, as ``jax.random.uniform(key, (c_local,))`` does (its float32 is
-    ``1.bits[9:] − 1``): the sample is the one an earlier jaxcls drew from those floats by ``lax.top_k``.
-    """
-    bits = jax.random.bits(key, (c_local,), jnp.uint32)
-    keys = lax.shift_right_logical(bits, jnp.uint32(32 - DRAW_BITS)).astype(jnp.int32) + 1
-    keys = jnp.where(first + jnp.arange(c_local) < num_classes, keys, PADDING_KEY)
-    local = labels - first
-    return keys.at[jnp.where((local >= 0) & (local < c_local), local, c_local)].set(POSITIVE_KEY, mode="drop")
-
-
-KEY_DIGIT = 4  # top_rows finds the threshold key this many bits at a time
-
-
-def top_rows(keys: jax.Array, count: int) -> jax.Array:
-    """The indices ``[count]`` int32, ascending, of the ``count`` largest of ``keys`` ``[C]`` (int32 in ``[0,
-    2^24)``), ties taken lowest index first: ``jnp.sort(lax.top_k(keys, count)[1])``, without sorting.
-
-    ``lax.top_k`` over a PartialFC shard's classes compiled for a GPU is a bitonic sort of every ``(key, index)``
-    pair: 120 passes over 36.9M of them (16 B each way), against about 0.1 GB read and written in all here. The
-    threshold (the ``count``-th largest key) is found ``KEY_DIGIT`` bits at a time, each digit by counting the keys
-    at or above each of its values (6 reads of ``keys``); the ties at it are ranked by a prefix sum and the rows
-    placed by another, in order.
-    """
-    if not 0 < count <= keys.shape[0]:
-        raise ValueError(f"cannot take the {count} largest of {keys.shape[0]} keys")
-    threshold = jnp.int32(0)  # invariant: at least `count` keys are at or above it
-    for shift in range(24 - KEY_DIGIT, -1, -KEY_DIGIT):
-        steps = jnp.arange(1, 2**KEY_DIGIT, dtype=jnp.int32) << shift
-        at_or_above = jnp.sum(keys[:, None] >= threshold + steps, axis=0, dtype=jnp.int32)  # falls with the step
-        threshold = threshold + (jnp.sum(at_or_above >= count, dtype=jnp.int32) << shift)
-    above, tie = keys > threshold, keys == threshold
-    quota = count - jnp.sum(above, dtype=jnp.int32)  # of the ties, the first this many
-    taken = above | (tie & (jnp.cumsum(tie, dtype=jnp.int32) <= quota))
-    index = jnp.arange(keys.shape[0], dtype=jnp.int32)
-    place = jnp.where(taken, jnp.cumsum(taken, dtype=jnp.int32) - 1, count + index)  # the rest: dropped, distinct
-    return jnp.zeros(count, jnp.int32).at[place].set(index, mode="drop", unique_indices=True)
 
 
 def gather_rows(weight: jax.Array, sample: ClassSample, *, mesh: Mesh, class_axes=DEFAULT_CLASS_AXES) -> jax.Array:

@@ -26,9 +26,8 @@ from jaxcls.startup import PLUGINS, plugin_installed, stderr_into
 
 TARGETS = {"h100": "h100.txtpb", "h200": "h200.txtpb", "a100-80gb": "a100-80gb.txtpb"}
 SPECS = Path(__file__).parent / "gpu_targets"
-# CUB's radix sort (what XLA runs for a large sort on a CUDA GPU) asks the CUDA runtime for the device while the
-# executable is built; XLA's own sort needs no device and the same buffers (measured: equal temporaries with CUB on a
-# GPU, when PartialFC's draw was a top_k)
+# CUB's radix sort (PartialFC's top_k) asks the CUDA runtime for the device while the executable is built;
+# XLA's own sort needs no device and the same buffers (measured: equal temporaries with CUB on a GPU)
 COMPILE_OPTIONS = {"xla_gpu_enable_cub_radix_sort": False}
 # Without autotuning XLA may find no Triton tiles for a GEMM (measured: vit_t's attention, bf16[16512, 256]); cuBLAS
 # then takes the GEMMs, as it does on a GPU wherever the autotuner finds Triton slower
