@@ -42,6 +42,14 @@ GPU_TARGET = {"gpu_plan.py", "gpu_program.py"}  # compile for a GPU: JAX's CUDA 
 RUN_ELSEWHERE = {"fc_bytes_per_row.py": "test_gpu_target.py::test_the_fc_path_moves_at_most_8_kb_per_sampled_row"}
 
 
+def benchmark(name: str):
+    """The script benchmarks/<name>.py as a module."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
 def script_env() -> dict:
     """The environment a benchmark script runs in: it sets up its own devices (no XLA_FLAGS), and programs that the
     tests already compiled for 8 devices come from the run's compilation cache."""
@@ -80,9 +88,7 @@ def test_in_fresh_process_returns_the_row_or_raises_with_the_error(tmp_path):
 
 
 def test_fc_state_accuracy_summarises_each_storage_over_its_seeds():
-    spec = importlib.util.spec_from_file_location("fc_state_accuracy", ROOT / "benchmarks" / "fc_state_accuracy.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = benchmark("fc_state_accuracy")
     runs = [{"state": s, "seed": seed, "final": {"val/x/accuracy": a, "val/x/accuracy_std": 0.01}}
             for s, seed, a in [("float32", 0, 0.9), ("int8", 0, 0.8), ("float32", 1, 0.7)]]
     table = {row["state"]: row for row in script.summary(runs)}
@@ -100,9 +106,7 @@ def test_the_sort_free_partialfc_draw_takes_the_rows_jaxcls_takes(rng):
     from jaxcls import batch_sharding, make_mesh
     from jaxcls.fc.sampling import sample_budget, sample_classes
 
-    spec = importlib.util.spec_from_file_location("partialfc_draw", ROOT / "benchmarks" / "partialfc_draw.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = benchmark("partialfc_draw")
     take = jax.jit(script.top_rows, static_argnums=1)
     for _ in range(12):
         c = int(rng.integers(1, 200))

@@ -4,7 +4,6 @@ collective that grows with the class count, cuDNN convolutions in the compute dt
 plugin (the plan-gpu extra; .ci/run installs it) and skip without it."""
 
 import functools
-import importlib.util
 import json
 import re
 import subprocess
@@ -20,20 +19,12 @@ from jaxcls.plan.hlo import collectives, computations
 from jaxcls.plan.kernels import kernels
 from jaxcls.plan.memory import step_memory
 from jaxcls.run import build
-from test_benchmarks import SCRIPTS, script_env
+from test_benchmarks import SCRIPTS, benchmark, script_env
 from tiny import get_config
 
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = (2**12, 2**13)  # FC rows per device of the two compiles
 D = 32  # tiny.py's embedding size
-
-
-def benchmark(name: str):
-    """The script benchmarks/<name>.py as a module."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
 
 
 @functools.cache
