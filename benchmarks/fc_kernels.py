@@ -44,7 +44,8 @@ from jaxcls.losses import MARGINS, arcface, rows_backward, rows_stats, tiles
 from jaxcls.plan import gpu_target, ptx
 
 UPDATES = [("sgd", "bfloat16", "bfloat16"), ("sgd", "float32", "float32"), ("sgd", "bfloat16", "int8"),
-           ("adamw", "float32", "float32")]  # (optimizer, weight, state)
+           ("adamw", "float32", "float32"), ("sgd", "bfloat16", "bfloat16", "stochastic")]
+# (optimizer, weight, state[, the weight's rounding if not to nearest])
 STATISTICS = ["bfloat16", "float32"]  # the weight's dtype; the embeddings are bfloat16
 TUNABLE = {"rows_stats": rows_stats, "rows_backward": rows_backward}  # the modules whose constants --set sets
 
@@ -61,8 +62,8 @@ def timed(run, iters, warmup) -> float:
 
 
 def backward_row(case, form, c, d, t, n, iters, warmup, rng):
-    name, weight_dtype, state_dtype = case
-    optimizer = {"sgd": sgd, "adamw": adamw}[name](state_dtype=state_dtype)
+    name, weight_dtype, state_dtype, *rounding = case
+    optimizer = {"sgd": sgd, "adamw": adamw}[name](state_dtype=state_dtype, weight_rounding=(*rounding, "nearest")[0])
     keys = jax.random.split(jax.random.key(int(rng.integers(2**31))), 1 + optimizer.num_slots)
     weight = jax.random.normal(keys[0], (c, d), weight_dtype)
     slots = tuple(a for i in range(optimizer.num_slots)
@@ -75,7 +76,7 @@ def backward_row(case, form, c, d, t, n, iters, warmup, rng):
             with rows_backward.forced(form):
                 return rows_backward.tile_backward(arrays, index, where, e_n, lse, g, arcface(),
                                                    lambda: arrays[0][index], where.kept, optimizer_rule(optimizer),
-                                                   jnp.float32(0.1), jnp.int32(3))
+                                                   jnp.float32(0.1), jnp.int32(3), jnp.int32(0))
         return jax.jit(step, donate_argnums=0)
 
     step = stepper(form)
@@ -116,13 +117,13 @@ def embedding_grad_row(weight_dtype, form, c, d, t, n, iters, warmup, rng):
 
 
 def compile_row_kernels(device, optimizer="sgd", weight="bfloat16", state="bfloat16", embeddings="bfloat16",
-                        margin="arcface", n=128, options=None):
+                        margin="arcface", rounding="nearest", n=128, options=None):
     """The three row kernels (statistics, embeddings' gradient, update) of one 65,536-row tile of a 1M × 512 weight,
     compiled by XLA for ``device`` (e.g. ``gpu_target.gpu_devices("h100", 1)[0]``: no GPU needed) with ``options``
     added to ``gpu_target.COMPILE_OPTIONS``."""
     at = lambda shape, dtype: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=SingleDeviceSharding(device))
     c, d, t = 1 << 20, 512, 65_536
-    rule_of = {"sgd": sgd, "adamw": adamw}[optimizer](state_dtype=state)
+    rule_of = {"sgd": sgd, "adamw": adamw}[optimizer](state_dtype=state, weight_rounding=rounding)
     slots = jax.eval_shape(lambda w: rule_of.init(w).slots, jax.ShapeDtypeStruct((c, d), jnp.dtype(weight)))
     arrays = (at((c, d), weight), *(at(s.shape, s.dtype) for s in slots))
     margin = MARGINS[margin]()
@@ -131,7 +132,7 @@ def compile_row_kernels(device, optimizer="sgd", weight="bfloat16", state="bfloa
         where = tiles.tile_columns(targets, valid, 0, 0)
         stats = rows_stats.tile_statistics_by_index(arrays[0], index, where, e_n, margin, lambda: arrays[0][index])
         return stats, rows_backward.tile_backward(arrays, index, where, e_n, lse, g, margin, lambda: arrays[0][index],
-                                                  where.kept, optimizer_rule(rule_of), lr, count)
+                                                  where.kept, optimizer_rule(rule_of), lr, count, jnp.int32(0))
 
     with rows_stats.forced("pallas"), rows_backward.forced("pallas"):
         traced = jax.jit(step, donate_argnums=0).trace(

@@ -21,6 +21,7 @@ from jaxcls.data import augment
 from jaxcls.data.augment import Augment
 from jaxcls.data.sources import SOURCES
 from jaxcls.fc import DEFAULT_CHUNK
+from jaxcls.fc.optimizers import check_weight_rounding
 from jaxcls.fc.sampling import check_sample_rate
 from jaxcls.losses.margins import MARGINS
 from jaxcls.mesh import CLASS_AXES
@@ -61,6 +62,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.fc_dtype = "float32"  # storage of FC weight and its optimizer state
     c.fc_state_dtype = "same"  # storage of the FC optimizer state: as fc_dtype, or float32 | bfloat16 | float16 |
     # int8 (one byte per value and a float32 scale per row: sgd only; docs/partial_fc.md)
+    c.fc_weight_rounding = "nearest"  # how updated FC weight rows are stored: nearest | stochastic (bfloat16
+    # fc_dtype only: keeps updates below bfloat16's step in expectation; docs/partial_fc.md)
     c.mem_fraction = 0.0  # share of each GPU's memory XLA may allocate (XLA_PYTHON_CLIENT_MEM_FRACTION), set before
     # the backend starts; 0: the environment's XLA_PYTHON_CLIENT_MEM_FRACTION, else JAX's default 0.75
     # Optimization (arcface_torch defaults).
@@ -230,7 +233,9 @@ def validate(config, num_devices: int) -> None:
     if config.warmup_steps >= config.total_steps:
         raise ValueError(f"warmup_steps {config.warmup_steps} must be below total_steps {config.total_steps}")
     make_optimizers(config.optimizer, momentum=config.momentum, weight_decay=config.weight_decay,
-                    clip=config.clip_grad_norm, fc_state_dtype=fc_state_dtype(config))  # refuses what cannot work
+                    clip=config.clip_grad_norm, fc_state_dtype=fc_state_dtype(config),
+                    fc_weight_rounding=config.fc_weight_rounding)  # refuses what cannot work
+    check_weight_rounding(config.fc_weight_rounding, DTYPES[config.fc_dtype])
 
 
 def fc_state_dtype(config):

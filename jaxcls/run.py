@@ -94,7 +94,8 @@ class Run:
             f"model {c.model} {dict(c.model_kwargs)}: {params / 1e6:.2f}M parameters, {c.num_features}-d "
             f"embeddings, compute {c.precision}, remat {c.remat}, BatchNorm statistics "
             f"{'of the global batch' if c.bn_sync else 'per device'}",
-            f"FC {c.num_classes:,} classes × {c.num_features} ({c.fc_dtype}, optimizer state "
+            f"FC {c.num_classes:,} classes × {c.num_features} ({c.fc_dtype}"
+            f"{', rounded stochastically' if c.fc_weight_rounding == 'stochastic' else ''}, optimizer state "
             f"{jnp.dtype(fc_state_dtype(c)).name}) over {shards} class shards, "
             f"{head.rows // shards:,} rows per device; {c.margin.name} s={c.margin.s:g} m={c.margin.m:g}; {sampling}",
             f"mesh data={self.mesh.shape['data']} × class={self.mesh.shape['class']} "
@@ -142,7 +143,8 @@ def build(config, devices=None, with_data: bool = True) -> Run:
     abstract_model.eval()
     eval_graphdef = split_model(abstract_model)[0]
     tx, fc_optimizer = make_optimizers(config.optimizer, momentum=config.momentum, weight_decay=config.weight_decay,
-                                       clip=config.clip_grad_norm, fc_state_dtype=fc_state_dtype(config))
+                                       clip=config.clip_grad_norm, fc_state_dtype=fc_state_dtype(config),
+                                       fc_weight_rounding=config.fc_weight_rounding)
     head = FCHead(mesh, config.num_classes, config.num_features, make_margin(config.margin), fc_optimizer,
                   sample_rate=config.sample_rate, class_axes=CLASS_AXES[config.class_axes],
                   chunk_size=config.chunk_size or None, dtype=fc_dtype)

@@ -66,10 +66,20 @@ def test_unknown_names_are_refused_before_any_data_is_opened(key, table, what, t
     (dict(warmup_steps=6), "warmup_steps 6 must be below total_steps 6"),
     (dict(num_classes=10), "num_classes 10 is smaller than the 64 classes in the data"),
     (dict(optimizer="adamw", fc_state_dtype="int8"), "adamw cannot keep its FC state in int8"),
+    (dict(fc_weight_rounding="stochastic"), "stochastic rounding is for a bfloat16 FC weight, not float32"),
+    (dict(fc_dtype="float16", fc_weight_rounding="stochastic"), "for a bfloat16 FC weight, not float16"),
+    (dict(fc_weight_rounding="up"), r"unknown FC weight rounding 'up'; choose one of \['nearest', 'stochastic'\]"),
 ])
 def test_inconsistent_values(overrides, message):
     with pytest.raises(ValueError, match=message):
         build(tiny_config(**overrides))
+
+
+def test_fc_weight_rounding_reaches_the_fc_head_and_the_run_summary():
+    run = build(tiny_config(fc_dtype="bfloat16", fc_weight_rounding="stochastic"), with_data=False)
+    assert run.train_step.head.optimizer.weight_rounding == "stochastic"
+    assert "FC 64 classes × 32 (bfloat16, rounded stochastically, optimizer state bfloat16)" in run.summary()[1]
+    assert build(tiny_config(), with_data=False).train_step.head.optimizer.weight_rounding == "nearest"
 
 
 def test_defaults():

@@ -11,7 +11,8 @@ import pytest
 from jaxcls import make_mesh
 from jaxcls.losses import init_weight
 from jaxcls.fc.sampling import gather_rows
-from jaxcls.fc.optimizers import SparseState, adamw, decode, encode, round_half_even, sgd
+from jaxcls.fc.optimizers import (SparseState, adamw, decode, encode, round_half_even, rounding_bits, sgd,
+                                  stochastic_round)
 from problems import draw
 
 
@@ -61,11 +62,13 @@ def test_sparse_update_equals_optax_on_sampled_rows_and_leaves_others(mesh_shape
     assert int(new_state.count) == int(state.count) + 1
 
 
-@pytest.mark.parametrize("name", ["sgd", "adamw"])
-def test_dense_update_equals_update_of_every_row(name, rng):
+@pytest.mark.parametrize("name,rounding", [("sgd", "nearest"), ("adamw", "nearest"), ("sgd", "stochastic")])
+def test_dense_update_equals_update_of_every_row(name, rounding, rng):
+    """The same rows and, with stochastic rounding, the same bits: each row's class is found alike."""
     mesh = make_mesh(2, 4)
-    opt = {"sgd": sgd(), "adamw": adamw()}[name]
-    weight = init_weight(jax.random.key(int(rng.integers(2**31))), 8 * 6, 8, mesh, stddev=1.0)
+    opt = {"sgd": sgd, "adamw": adamw}[name](weight_rounding=rounding)
+    dtype = jnp.bfloat16 if rounding == "stochastic" else jnp.float32
+    weight = init_weight(jax.random.key(int(rng.integers(2**31))), 8 * 6, 8, mesh, stddev=1.0, dtype=dtype)
     state = opt.init(weight)
     grads = jax.device_put(rng.normal(size=weight.shape).astype(np.float32), weight.sharding)
     every_row = jax.device_put(np.tile(np.arange(6, dtype=np.int32), 8), jax.sharding.NamedSharding(
@@ -160,3 +163,83 @@ def test_round_half_even_is_jnp_round(rng):
                            np.nextafter(ties.astype(np.float32), np.float32(np.inf))])
     x = np.concatenate([ties, near, rng.uniform(-127, 127, 10_000), [1e-30, -1e-30, 0.0]]).astype(np.float32)
     np.testing.assert_array_equal(jax.jit(round_half_even)(x), np.round(x))
+
+
+def bfloat16_neighbours(x):
+    """The bfloat16 values either side of float32 ``x`` (toward and away from zero) and the share of the step
+    between them that ``|x|`` lies above the first."""
+    word = np.asarray(x, np.float32).view(np.uint32)
+    low = (word & np.uint32(0xFFFF0000)).view(np.float32).astype(np.float64)
+    high = ((word & np.uint32(0xFFFF0000)) + np.uint32(0x10000)).view(np.float32).astype(np.float64)
+    return low, high, (np.asarray(x, np.float64) - low) / (high - low)
+
+
+def test_stochastic_rounding_is_unbiased_over_the_steps_bits(rng):
+    """Each float32 value rounded with the bits of 4,000 steps: always one of its two bfloat16 neighbours, the
+    value itself where bfloat16 holds it, and equal to it on average (to 5 standard errors); rounding to nearest
+    is not. Infinities and NaN pass through."""
+    x = (rng.choice([-1, 1], (8, 64)) * 10.0 ** rng.uniform(-6, 3, (8, 64))).astype(np.float32)
+    x[0, :8] = np.asarray(x[0, :8], jnp.bfloat16).astype(np.float32)  # exactly representable
+    x[1, :3] = [np.inf, -np.inf, np.nan]
+    classes = jnp.asarray(rng.choice(10**7, 8, replace=False), jnp.int32)
+    steps = jnp.arange(1, 4001, dtype=jnp.int32)
+    rounded = np.asarray(jax.jit(jax.vmap(lambda t: stochastic_round(jnp.asarray(x), rounding_bits(classes, 64, t))))(
+        steps), np.float64)
+    assert np.array_equal(rounded[:, 1, :3], np.broadcast_to(x[1, :3], (4000, 3)), equal_nan=True)
+    finite = np.isfinite(x)
+    low, high, above = bfloat16_neighbours(np.where(finite, x, 0))
+    assert np.all((rounded == low) | (rounded == high) | ~finite)
+    assert np.all(rounded[:, 0, :8] == x[0, :8])
+    standard_error = np.abs(high - low) * np.sqrt(above * (1 - above) / len(steps))
+    error = np.abs(rounded.mean(axis=0) - np.where(finite, x, 0))
+    assert np.all((error <= 5 * standard_error + 1e-9 * np.abs(x)) | ~finite)
+    nearest = np.abs(np.asarray(x, jnp.bfloat16).astype(np.float64) - x)
+    assert np.mean(nearest > 5 * standard_error + 1e-9 * np.abs(x)) > 0.5  # the check above can fail
+
+
+def test_rounding_bits_are_uniform_and_a_function_of_class_column_and_step(rng):
+    classes = rng.choice(5 * 10**7, 256, replace=False).astype(np.int32)
+    bits = np.asarray(rounding_bits(jnp.asarray(classes), 128, jnp.int32(7)))
+    share_set = np.unpackbits(bits.view(np.uint8).reshape(-1, 4), axis=1).mean(axis=0)  # per bit of the word
+    assert np.all(np.abs(share_set - 0.5) < 5 * 0.5 / np.sqrt(bits.size))
+    assert len(np.unique(bits)) > 0.999 * bits.size
+    order = rng.permutation(256)[:100]  # a row's bits depend on its class, not on where it stands
+    np.testing.assert_array_equal(np.asarray(rounding_bits(jnp.asarray(classes[order]), 128, jnp.int32(7))),
+                                  bits[order])
+    for other in (rounding_bits(jnp.asarray(classes), 128, jnp.int32(8)),
+                  rounding_bits(jnp.asarray(classes + 1), 128, jnp.int32(7)),
+                  rounding_bits(jnp.asarray(classes), 256, jnp.int32(7))[:, 128:]):
+        assert np.mean(np.asarray(other) == bits) < 1e-3
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 8), (4, 2)], ids=str)
+def test_stochastic_rounding_keeps_the_updates_below_the_bfloat16_step(mesh_shape, rng):
+    """Sampled rows of a bfloat16 weight, every update under half its step: rounded to nearest the weight stays
+    as it was; rounded stochastically each entry lands on a neighbour of the float64 result, and the moves add up
+    to the float64 updates (a signed sum, to 5 standard errors)."""
+    mesh = make_mesh(*mesh_shape)
+    c, d = 8 * 300 - 3, 16
+    labels, sample, rows = draw(rng, mesh, c, 64, 0.5)
+    weight = init_weight(jax.random.key(0), c, d, mesh, dtype=jnp.bfloat16)  # entries of magnitude 1 to 2, whose
+    magnitudes = rng.choice([-1, 1], weight.shape) * rng.uniform(1, 2, weight.shape)  # bfloat16 step is 2**-7
+    weight = jax.device_put(magnitudes.astype(jnp.bfloat16), weight.sharding)
+    grads = jax.device_put(rng.normal(size=(len(sample.rows), d)).astype(np.float32), weight.sharding)
+    global_rows = np.asarray(sample.rows) + np.repeat(np.arange(8) * (rows // 8), len(sample.rows) // 8)
+    w = np.asarray(weight, np.float64)[global_rows]
+    lr = 0.45 * 2.0**-8 / float(np.max(np.abs(np.asarray(grads) + 5e-4 * w)))  # every update under half a step
+    exact = w - lr * (np.asarray(grads, np.float64) + 5e-4 * w)  # sgd's first step (no momentum yet), float64
+    new = {}
+    for rounding in ("nearest", "stochastic"):
+        opt = sgd(weight_rounding=rounding)
+        new[rounding] = np.asarray(jax.jit(partial(opt.update, mesh=mesh))(
+            weight, opt.init(weight), sample.rows, grads, lr)[0], np.float64)
+    assert np.array_equal(new["nearest"], np.asarray(weight, np.float64))
+    moved = new["stochastic"][global_rows]
+    low, high, above = bfloat16_neighbours(exact.astype(np.float32))
+    assert np.all((moved == low) | (moved == high))
+    update = exact - w
+    noise = np.sqrt(np.sum((high - low) ** 2 * above * (1 - above)))
+    assert abs(np.sum(np.sign(update) * (moved - exact))) < 5 * noise
+    assert np.sum(np.abs(update)) > 20 * noise  # rounding to nearest (moved == w) would fail the sum
+    untouched = np.setdiff1d(np.arange(rows), global_rows)
+    assert np.array_equal(new["stochastic"][untouched], np.asarray(weight, np.float64)[untouched])

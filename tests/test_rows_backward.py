@@ -75,7 +75,7 @@ def backward(form, arrays, index, where, e_n, lse, g, margin, *update, reads=0):
         return step(arrays, e_n, keep, scalars)
 
 
-def gradient_rule(rows, row_grad):
+def gradient_rule(rows, row_grad, index):
     """A rule that reads the weight and writes the rows' gradient into the second array (as sharded_margin_loss'
     backward does)."""
     return (tiles.row_gradient(rows[0], *row_grad),)
@@ -122,9 +122,10 @@ def test_both_forms_give_the_float64_gradients_of_the_embeddings_and_the_kept_ro
         assert np.array_equal(unchanged[0], weight), form
 
 
-# (optimizer, weight dtype, state dtype)
-CASES = [("sgd", jnp.float32, jnp.float32), ("sgd", jnp.bfloat16, jnp.bfloat16), ("sgd", jnp.bfloat16, jnp.int8),
-         ("adamw", jnp.float32, jnp.float32)]
+# (optimizer, weight dtype, state dtype, weight rounding)
+CASES = [("sgd", jnp.float32, jnp.float32, "nearest"), ("sgd", jnp.bfloat16, jnp.bfloat16, "nearest"),
+         ("sgd", jnp.bfloat16, jnp.int8, "nearest"), ("adamw", jnp.float32, jnp.float32, "nearest"),
+         ("sgd", jnp.bfloat16, jnp.bfloat16, "stochastic")]
 STEPS = {"sgd": (sgd, sgd_step), "adamw": (adamw, adamw_step)}
 
 
@@ -135,13 +136,13 @@ def as_float64(arrays, per_slot):
                                                for i in range(0, len(slots), per_slot)]
 
 
-@pytest.mark.parametrize("name,weight_dtype,state_dtype", CASES, ids=str)
+@pytest.mark.parametrize("name,weight_dtype,state_dtype,rounding", CASES, ids=str)
 def test_both_forms_step_the_kept_rows_as_the_float64_optimizer_and_leave_the_rest(name, weight_dtype, state_dtype,
-                                                                                   rng):
+                                                                                   rounding, rng):
     margin = MARGINS["arcface"]
     weight, index, where, e_n = draw_tile(rng, weight_dtype)
     e_n = e_n.astype(jnp.float32)  # float32 products: the step's own rounding is what is held to float64 here
-    optimizer = STEPS[name][0](state_dtype=state_dtype)
+    optimizer = STEPS[name][0](state_dtype=state_dtype, weight_rounding=rounding)
     moments = [rng.normal(size=weight.shape) ** (i + 1) for i in range(optimizer.num_slots)]  # AdamW's nu >= 0
     arrays = (weight, *(a for m in moments for a in encode(jnp.asarray(m, jnp.float32), jnp.dtype(state_dtype))))
     lse = tile_lse(e_n, weight[index], margin, where, rng)
@@ -156,9 +157,10 @@ def test_both_forms_step_the_kept_rows_as_the_float64_optimizer_and_leave_the_re
     grads = np.asarray(jnp.asarray(grads, weight_dtype), np.float64)  # the optimizer takes it as stored
     ref = STEPS[name][1](before[0][rows], [s[rows] for s in before[1:]], grads, lr, count)
     ref = [ref[0], *ref[1]]
+    shard_first = int(rng.integers(0, 10**6))
     results = {form: backward(form, arrays, index, where, e_n, jnp.asarray(lse, jnp.float32),
                               jnp.asarray(g, jnp.float32), margin, keep, optimizer_rule(optimizer), jnp.float32(lr),
-                              jnp.int32(count))[1] for form in FORMS}
+                              jnp.int32(count), jnp.int32(shard_first))[1] for form in FORMS}
     for form, new in results.items():
         for got, want, dtype in zip(as_float64(new, per_slot), ref, [weight_dtype] + [state_dtype] * len(ref[1:])):
             # float32 arithmetic, then one rounding to the storage dtype (an int8 code step: 1/127 of the row's
@@ -170,6 +172,10 @@ def test_both_forms_step_the_kept_rows_as_the_float64_optimizer_and_leave_the_re
         untouched = np.setdiff1d(np.arange(len(weight)), rows[kept])  # unlisted rows and listed rows not kept
         for a, b in zip(new, arrays):
             assert a.dtype == b.dtype and np.array_equal(np.asarray(a)[untouched], np.asarray(b)[untouched]), form
+    # a 16-bit weight rounds alike in both (stochastic rounding: the same bits), apart only where their float32 sums
+    # straddle a cut (float32 weights differ in their last bits, held to float64 above)
+    xla, kernels = (np.asarray(results[form][0])[rows[kept]] for form in FORMS)
+    assert weight_dtype == jnp.float32 or np.mean(xla == kernels) > 0.99
 
 
 def test_the_kernels_are_used_only_where_they_can_be(rng):

@@ -27,7 +27,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxcls import mesh as layout
-from jaxcls.fc.optimizers import SparseOptimizer, SparseState
+from jaxcls.fc.optimizers import SparseOptimizer, SparseState, check_weight_rounding
 from jaxcls.losses.rows_backward import tile_backward
 from jaxcls.losses.rows_stats import tile_statistics_by_index
 from jaxcls.fc.sampling import ClassSample, check_sample_rate, sample_classes
@@ -59,6 +59,7 @@ class FCHead:
 
     def __post_init__(self):
         check_sample_rate(self.sample_rate)
+        check_weight_rounding(self.optimizer.weight_rounding, self.dtype)
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ValueError(f"chunk_size must be positive, got {self.chunk_size}")
 
@@ -158,7 +159,7 @@ def _step_shard(emb, labels, weight, slots, row_classes, lr, count, keep_update,
         d_e, arrays = carry
         index, where = locate(i)
         # rows the tile does not own (overlap with the previous tile) or padding stay as they are
-        update = (keep_update & where.kept, rule, lr, count) if with_update else ()
+        update = (keep_update & where.kept, rule, lr, count, shard_first) if with_update else ()
         d_e_tile, arrays = tile_backward(arrays, index, where, e_n, lse, g, head.margin,
                                          lambda: _from_bits(arrays[0][index], dtypes[0]), *update)
         return (d_e + d_e_tile, arrays), None
@@ -177,15 +178,16 @@ def stores_bits(mesh: Mesh) -> bool:
 
 
 def optimizer_rule(optimizer: SparseOptimizer, dtypes: tuple | None = None):
-    """``rows_backward.tile_backward``'s rule for ``optimizer``: ``(rows, (product, radial), lr, count)`` → new rows,
-    where ``rows`` are the weight's and the slots' ``[T, …]`` as stored (as raw bits where ``dtypes`` names their
-    dtypes, on CPU). The rows' gradient is formed from ``tiles.tile_grad_parts``' two parts and rounded to the
-    weight's dtype as the autodiff route rounds it."""
+    """``rows_backward.tile_backward``'s rule for ``optimizer``: ``(rows, (product, radial), index, lr, count,
+    shard_first)`` → new rows, where ``rows`` are the weight's and the slots' ``[T, …]`` as stored (as raw bits where
+    ``dtypes`` names their dtypes, on CPU), ``index`` their local indices and ``shard_first`` the class of local row
+    0. The rows' gradient is formed from ``tiles.tile_grad_parts``' two parts and rounded to the weight's dtype as
+    the autodiff route rounds it."""
 
-    def rule(rows, row_grad, lr, count):
+    def rule(rows, row_grad, index, lr, count, shard_first):
         weight, *slots = rows if dtypes is None else (_from_bits(r, t) for r, t in zip(rows, dtypes))
         grads = tiles.row_gradient(weight, *row_grad).astype(weight.dtype)
-        new_weight, new_slots = optimizer.apply_rows(weight, slots, grads, lr, count)
+        new_weight, new_slots = optimizer.apply_rows(weight, slots, grads, lr, count, index + shard_first)
         return (new_weight, *new_slots) if dtypes is None else tuple(map(_to_bits, (new_weight, *new_slots)))
 
     return rule

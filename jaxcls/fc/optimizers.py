@@ -15,15 +15,23 @@ A one-byte ``state_dtype`` (``int8`` or ``float8_e4m3fn``) stores each slot as t
 ``[C_pad, D]`` array and a float32 scale per row ``[C_pad, 1]`` (the row's largest
 magnitude maps to the dtype's largest value): D + 4 bytes per row instead of 2·D for
 bfloat16. The weight update uses the float32 state before it is rounded for storage.
+
+A bfloat16 weight keeps 8 significant bits: rounded to nearest, an update below half its step (at millions of classes,
+a sampled row's gradient near 1/C and its weight decay) is lost. ``weight_rounding="stochastic"`` rounds the new
+weight rows up or down with the probabilities that make the stored value equal the float32 one in expectation; the
+random bits are a hash of (class, column, step), so every mesh and both forms of the fused step draw the same ones
+and the state gains nothing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxcls.mesh import DEFAULT_CLASS_AXES, row_spec, weight_spec
@@ -42,11 +50,13 @@ RowRule = Callable[..., tuple]
 
 
 class SparseOptimizer(NamedTuple):
-    """``init(weight) -> SparseState``; ``update(weight, state, rows, grads, lr, mesh=, class_axes=)``."""
+    """``init(weight) -> SparseState``; ``update(weight, state, rows, grads, lr, mesh=, class_axes=)``.
+    ``weight_rounding``: how the new weight rows are stored, ``"nearest"`` or ``"stochastic"`` (bfloat16 weights)."""
 
     num_slots: int
     rule: RowRule
     state_dtype: Any
+    weight_rounding: str = "nearest"
 
     def init(self, weight: jax.Array) -> SparseState:
         dtype = weight.dtype if self.state_dtype is None else jnp.dtype(self.state_dtype)
@@ -66,35 +76,83 @@ class SparseOptimizer(NamedTuple):
         class_axes = tuple(class_axes)
         count = state.count + 1
         if rows is None:
-            weight, slots = self.apply_rows(weight, state.slots, grads, lr, count)
+            classes = jnp.arange(weight.shape[0], dtype=jnp.int32)
+            weight, slots = self.apply_rows(weight, state.slots, grads, lr, count, classes)
             return weight, SparseState(slots, count)
         rows_spec, matrix_spec = row_spec(class_axes), weight_spec(class_axes)
         slots_spec = (matrix_spec,) * len(state.slots)
         weight, slots = jax.shard_map(
-            self._update_shard, mesh=mesh,
+            partial(self._update_shard, class_axes=class_axes), mesh=mesh,
             in_specs=(matrix_spec, slots_spec, rows_spec, matrix_spec, P(), P()),
             out_specs=(matrix_spec, slots_spec),
         )(weight, state.slots, rows, grads, jnp.asarray(lr, jnp.float32), count)
         return weight, SparseState(slots, count)
 
-    def apply_rows(self, weight, slots, grads, lr, count) -> tuple[jax.Array, tuple]:
+    def apply_rows(self, weight, slots, grads, lr, count, classes=None) -> tuple[jax.Array, tuple]:
         """The rule on rows ``weight`` ``[R, D]`` and the stored ``slots`` (of ``SparseState.slots``, rows ``R``)
         in float32, results in their storage dtypes.
 
-        ``count`` is the step number being taken (1 on the first step).
+        ``count`` is the step number being taken (1 on the first step); ``classes`` ``[R]`` int32 the rows' global
+        indices, which stochastic rounding draws its bits from (needed only then).
         """
+        check_weight_rounding(self.weight_rounding, weight.dtype)
         per_slot = len(slots) // self.num_slots
         stored = [slots[i:i + per_slot] for i in range(0, len(slots), per_slot)]
         new_w, new_slots = self.rule(weight.astype(jnp.float32), tuple(map(decode, stored)),
                                      grads.astype(jnp.float32), lr, count)
+        if self.weight_rounding == "stochastic":
+            if classes is None:
+                raise ValueError("stochastic rounding draws its bits from the rows' classes: pass apply_rows(classes=)")
+            new_w = stochastic_round(new_w, rounding_bits(classes, new_w.shape[-1], count))
         return new_w.astype(weight.dtype), tuple(a for n, s in zip(new_slots, stored) for a in encode(n, s[0].dtype))
 
-    def _update_shard(self, weight, slots, rows, grads, lr, count):
+    def _update_shard(self, weight, slots, rows, grads, lr, count, *, class_axes):
         """Inside shard_map: gather ``rows``, update in float32, scatter back in the storage dtypes."""
-        new_w, new_slots = self.apply_rows(weight[rows], tuple(s[rows] for s in slots), grads, lr, count)
+        classes = rows + lax.axis_index(class_axes) * weight.shape[0]
+        new_w, new_slots = self.apply_rows(weight[rows], tuple(s[rows] for s in slots), grads, lr, count, classes)
         weight = weight.at[rows].set(new_w, unique_indices=True)
         slots = tuple(s.at[rows].set(n, unique_indices=True) for s, n in zip(slots, new_slots))
         return weight, slots
+
+
+WEIGHT_ROUNDINGS = ("nearest", "stochastic")
+
+
+def check_weight_rounding(rounding: str, weight_dtype) -> None:
+    """Refuse an unknown rounding, or stochastic rounding of a weight that is not bfloat16."""
+    if rounding not in WEIGHT_ROUNDINGS:
+        raise ValueError(f"unknown FC weight rounding {rounding!r}; choose one of {list(WEIGHT_ROUNDINGS)}")
+    if rounding == "stochastic" and weight_dtype is not None and jnp.dtype(weight_dtype) != jnp.bfloat16:
+        raise ValueError(f"stochastic rounding is for a bfloat16 FC weight, not {jnp.dtype(weight_dtype).name} "
+                         "(a float32 weight rounds no update away; float16 is not supported): set fc_dtype=bfloat16 "
+                         "or fc_weight_rounding=nearest")
+
+
+def _mix(x: jax.Array) -> jax.Array:
+    """A bijective avalanche of uint32 words (Wellons' lowbias32 hash)."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def rounding_bits(classes: jax.Array, dim: int, step: jax.Array) -> jax.Array:
+    """Uniform uint32 words ``[R, dim]``, a hash of each entry's (class ``classes[r]``, column, ``step``): the same
+    bits wherever a row is updated (any mesh, either form of the fused step), different at every step."""
+    column = _mix(lax.broadcasted_iota(jnp.int32, (1, dim), 1).astype(jnp.uint32) + jnp.uint32(0x9E3779B9))
+    row = _mix(classes.astype(jnp.uint32) ^ _mix(jnp.asarray(step).astype(jnp.uint32)))
+    return _mix(row[:, None] ^ column)
+
+
+def stochastic_round(x: jax.Array, bits: jax.Array) -> jax.Array:
+    """Float32 ``x`` rounded to a bfloat16 value (returned as float32): its magnitude up with probability equal to
+    the share of bfloat16's step that it lies above the lower neighbour, by adding 16 of ``bits`` (uint32, shaped as
+    ``x``) to the low half of its float32 word and truncating. Unbiased; infinities and NaNs are left as they are."""
+    word = lax.bitcast_convert_type(x, jnp.uint32)
+    finite = (word & jnp.uint32(0x7F800000)) != jnp.uint32(0x7F800000)
+    rounded = (word + (bits >> 16)) & jnp.uint32(0xFFFF0000)
+    return lax.bitcast_convert_type(jnp.where(finite, rounded, word), jnp.float32)
 
 
 def row_scaled(dtype) -> bool:
@@ -130,22 +188,24 @@ def decode(stored: tuple) -> jax.Array:
     return values.astype(jnp.float32) * scale[0] if scale else values.astype(jnp.float32)
 
 
-def sgd(momentum: float = 0.9, weight_decay: float = 5e-4, state_dtype=None) -> SparseOptimizer:
+def sgd(momentum: float = 0.9, weight_decay: float = 5e-4, state_dtype=None,
+        weight_rounding: str = "nearest") -> SparseOptimizer:
     """SGD with momentum and L2 weight decay, as ``torch.optim.SGD`` and arcface_torch's defaults.
 
     ``g ← g + wd·w;  buf ← μ·buf + g;  w ← w − lr·buf``.
     """
+    check_weight_rounding(weight_rounding, None)
 
     def rule(w, slots, g, lr, count):
         g = g + weight_decay * w
         buf = momentum * slots[0] + g
         return w - lr * buf, (buf,)
 
-    return SparseOptimizer(1, rule, state_dtype)
+    return SparseOptimizer(1, rule, state_dtype, weight_rounding)
 
 
 def adamw(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.1,
-          state_dtype=None) -> SparseOptimizer:
+          state_dtype=None, weight_rounding: str = "nearest") -> SparseOptimizer:
     """AdamW (decoupled weight decay), as ``optax.adamw`` / ``torch.optim.AdamW``, on the sampled rows.
 
     A one-byte ``state_dtype`` is refused: a linear 8-bit code rounds a row's small second moments to 0, whose
@@ -154,6 +214,7 @@ def adamw(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: f
     if state_dtype is not None and row_scaled(state_dtype):
         raise ValueError(f"adamw cannot keep its FC state in {jnp.dtype(state_dtype).name} (its second moment "
                          "needs a float: use float32, bfloat16 or float16); one-byte states are for sgd's momentum")
+    check_weight_rounding(weight_rounding, None)
 
     def rule(w, slots, g, lr, count):
         mu = b1 * slots[0] + (1 - b1) * g
@@ -162,5 +223,5 @@ def adamw(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: f
         step = (mu / (1 - b1**t)) / (jnp.sqrt(nu / (1 - b2**t)) + eps)
         return w - lr * (step + weight_decay * w), (mu, nu)
 
-    return SparseOptimizer(2, rule, state_dtype)
+    return SparseOptimizer(2, rule, state_dtype, weight_rounding)
 

@@ -6,8 +6,8 @@ hit L1/L2; not yet measured).
 ``tile_backward(arrays, index, where, e_n, lse, g, margin, gathered, keep, rule, *scalars)`` returns
 ``(d_e, arrays)``: the gradient ``[N, D]`` float32 of ``Σ_n g[n]·loss[n]`` w.r.t. ``e_n`` through the tile of rows
 ``index`` of ``arrays[0]`` (the weight), and ``arrays`` (the weight and its optimizer slots, all ``[C_local, ...]``)
-with the rows ``index`` replaced where ``keep`` holds by ``rule(rows, (product, radial), *scalars)``, the rows'
-gradient in ``tiles.tile_grad_parts``' two parts. Two forms compute it:
+with the rows ``index`` replaced where ``keep`` holds by ``rule(rows, (product, radial), index, *scalars)``, the
+rows' gradient in ``tiles.tile_grad_parts``' two parts. Two forms compute it:
 
 - ``"pallas"`` (when forced, or on CUDA GPUs where ``KERNEL_ON_CUDA``): two Triton kernels that read the rows by
   index and recompute each block's cosines and their gradient on chip from the tile's log-sum-exp (no ``[N, T]``
@@ -63,8 +63,8 @@ KERNEL_ON_CUDA = False
 _FORM = kernel_forms("rows-backward form")
 forced = _FORM.forced  # forced(form): within the block, trace every tile_backward in that form (None: by platform)
 
-# A rule maps (rows: tuple of [B, ...] arrays as stored, (product [B, D], radial [B]), *scalars) to the new rows,
-# as stored.
+# A rule maps (rows: tuple of [B, ...] arrays as stored, (product [B, D], radial [B]), their indices [B], *scalars)
+# to the new rows, as stored.
 Rule = Callable[..., tuple]
 
 
@@ -97,7 +97,7 @@ def _xla_form(arrays, index, where, e_n, lse, g, keep, *scalars, margin, rule, g
     if keep is None:
         return d_e, arrays
     old = tuple(a[index] for a in arrays)
-    new = rule(old, tuple(row_grad), *scalars)
+    new = rule(old, tuple(row_grad), index, *scalars)
     if reads:  # outputs filled tile by tile: rows not kept go to distinct indices past the end, which the scatter
         # drops, so what they hold is never read (a select would read each tile's old rows of the outputs for them)
         target = jnp.where(keep, index, arrays[0].shape[0] + jnp.arange(index.shape[0], dtype=index.dtype))
@@ -211,7 +211,7 @@ def _update_kernel(index_ref, columns_ref, kept_ref, keep_ref, rel_ref, lse_ref,
     # the rows and slots as stored are read again here, not held through the loop (registers: 255 and spills before)
     old = tuple(a[index, :] for a in array_refs)
     row_grad = product.astype(e_ref.dtype), tiles.radial_part(d_inverse, inverse, squares)
-    new = rule(old, row_grad, *(s[0] for s in scalar_refs))
+    new = rule(old, row_grad, index, *(s[0] for s in scalar_refs))
     keep = keep_ref[...]
     for out, n, o in zip(out_refs, new, old[len(old) - num_written:]):
         out[index, :] = jnp.where(keep[:, None], n, o)

@@ -168,7 +168,7 @@ def _chunked_backward(margin, axis_name, chunk_size, grad_dtype, residuals, g):
     return d_e.astype(e_n.dtype), d_w.astype(weight.dtype), None, None
 
 
-def _write_gradient(rows, row_grad):
+def _write_gradient(rows, row_grad, index):
     """``rows_backward``'s rule that writes the rows' gradient (``rows``: the weight's and the gradient's)."""
     weight, d_w = rows
     return (tiles.row_gradient(weight, *row_grad).astype(d_w.dtype),)
