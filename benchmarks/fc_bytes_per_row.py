@@ -16,6 +16,8 @@ Each row also gives the bytes per sampled row of each JAX source line's kernels 
 counts the loss by itself instead: ``sharded_margin_loss`` forward and backward at C = 1M, N = 512 on one H100.
 ``--fc-kernels pallas`` counts the Triton kernels' form of the FC path (by default the GPU program runs the statistics
 kernel and XLA's backward: ``jaxcls.losses.rows_backward.KERNEL_ON_CUDA``), ``--fc-kernels xla`` XLA's forms.
+``--fc-weight-rounding stochastic`` counts a bfloat16 weight rounded stochastically (its bits hashed where they are
+used, or written to memory if XLA does not fuse the hash).
 Compile-only: it counts bytes, it does not time. Needs JAX's CUDA plugin.
 """
 
@@ -42,10 +44,10 @@ from jaxcls.run import build  # noqa: E402
 FLOOR_KB = {"bfloat16": 5.0, "float32": 10.0}  # (2 reads + 1 write of the weight row + momentum read and write) / 1024
 
 
-def moved_bytes(fc_dtype: str, classes: int, batch: int, model: str, input_size: int, device):
+def moved_bytes(fc_dtype: str, classes: int, batch: int, model: str, input_size: int, device, rounding="nearest"):
     """``(bytes the step's kernels read and write per JAX source line, sampled rows)`` at ``classes`` classes."""
     c = benchmark_config(model=model, num_classes=classes, fc_dtype=fc_dtype, precision="bfloat16", batch_size=batch,
-                         sample_rate=0.1, num_features=512,
+                         sample_rate=0.1, num_features=512, fc_weight_rounding=rounding,
                          margin=dict(name="cosface", s=64.0, m=0.4, straight_through=False))
     c.data.input_size = input_size
     if model == "r18":
@@ -86,6 +88,8 @@ def main():
                         "N = 512 (whole and in benchmarks/loss.py's chunks), and their time at 3.35 TB/s")
     parser.add_argument("--target", default="h100")
     parser.add_argument("--fc-kernels", choices=FC_KERNELS, default=None, help=FC_KERNELS_HELP)
+    parser.add_argument("--fc-weight-rounding", choices=["nearest", "stochastic"], default="nearest",
+                        help="how a bfloat16 weight's updated rows are rounded (stochastic: bfloat16 only)")
     parser.add_argument("--out", default="benchmarks/results/fc_bytes_per_row.json")
     args = parser.parse_args()
     args.classes = args.classes or ([65_536, 262_144] if args.small else [4_000_000, 16_000_000])
@@ -109,11 +113,13 @@ def loss_alone_rows(device) -> list[dict]:
 
 def per_row_rows(args, device) -> list[dict]:
     rows = []
-    for fc_dtype in args.fc_dtype or list(FLOOR_KB):
-        (low, low_rows), (high, high_rows) = (moved_bytes(fc_dtype, c, args.batch, args.model, args.input_size, device)
-                                              for c in args.classes)
+    rounding = args.fc_weight_rounding
+    for fc_dtype in args.fc_dtype or (["bfloat16"] if rounding == "stochastic" else list(FLOOR_KB)):
+        (low, low_rows), (high, high_rows) = (moved_bytes(fc_dtype, c, args.batch, args.model, args.input_size, device,
+                                                          rounding) for c in args.classes)
         per_row = {line: (high[line] - low[line]) / (high_rows - low_rows) for line in high | low}
-        rows.append({"fc_dtype": fc_dtype, "model": args.model, "batch": args.batch, "classes": args.classes,
+        rows.append({"fc_dtype": fc_dtype, "fc_weight_rounding": rounding, "model": args.model, "batch": args.batch,
+                     "classes": args.classes,
                      "sampled_rows": [low_rows, high_rows], "moved_bytes": [sum(low.values()), sum(high.values())],
                      "kb_per_sampled_row": sum(per_row.values()) / 1024, "floor_kb": FLOOR_KB[fc_dtype],
                      "bytes_per_row_by_line": dict(sorted(((k, v) for k, v in per_row.items() if abs(v) >= 64),

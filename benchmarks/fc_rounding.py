@@ -10,9 +10,13 @@ decay (lr · wd · w ≈ 5e-7), fall far below that step and vanish. This measur
 their centre plus noise, and all ``--classes`` rows (the rest never a label, as the long tail of a large data set
 is rarely seen) are sampled by PartialFC and trained by the trainer's own fused step (``FCHead.step``, SGD with
 momentum, CosFace). Both storages start from the same (bfloat16-representable) weight and see the same batches and
-samples. Reported per storage: the training loss at the end, the share of sampled weight entries that the last step
-changed (positive rows, i.e. the batch's labels, and the others apart), and top-1 retrieval of fresh embeddings of
-the active classes among all ``--classes`` rows.
+samples. Three storages: float32, bfloat16 rounded to nearest, bfloat16 rounded stochastically
+(``fc_weight_rounding``). Reported per storage: the training loss at the end, the share of sampled weight entries
+that the last step changed (positive rows, i.e. the batch's labels, and the others apart), how far its final weight
+is from float32's as a share of how far float32's moved from the start (active rows and the others apart: 0 is
+float32's run, 1 as far off as not training those rows at all), and, on fresh embeddings of the active classes
+against all ``--classes`` rows, top-1 retrieval and the softmax cross-entropy (scale 32, no margin: how well every
+other class is kept away).
 """
 
 from __future__ import annotations
@@ -37,9 +41,14 @@ def batches(rng, centres, batch, noise):
         yield (centres[labels] + noise * rng.normal(size=(batch, centres.shape[1]))).astype(np.float32), labels
 
 
-def train(dtype, args, init):
+STORAGES = [(jnp.float32, "nearest"), (jnp.bfloat16, "nearest"), (jnp.bfloat16, "stochastic")]  # weight, rounding
+
+
+def train(dtype, rounding, args, init):
+    """The row of one storage, and its final weight (float32)."""
     mesh = make_mesh(1, 1, devices=jax.devices()[:1])
-    head = FCHead(mesh, args.classes, args.dim, cosface(s=32.0, m=0.35), sgd(state_dtype=dtype),
+    head = FCHead(mesh, args.classes, args.dim, cosface(s=32.0, m=0.35), sgd(state_dtype=dtype,
+                                                                                weight_rounding=rounding),
                   sample_rate=args.sample_rate, chunk_size=65_536, dtype=dtype)
     weight, state = head.init(jax.random.key(0))
     weight = jnp.asarray(init, dtype)
@@ -70,9 +79,16 @@ def train(dtype, args, init):
     probe, truth = next(batches(np.random.default_rng(2), centres, 512, args.noise))
     cos = l2_normalize(jnp.asarray(probe)) @ l2_normalize(weight.astype(jnp.float32)).T
     top1 = float(jnp.mean(jnp.argmax(cos, axis=1) == truth))
-    return {"fc_dtype": jnp.dtype(dtype).name, "classes": args.classes, "active": args.active, "steps": args.steps,
-            "sample_rate": args.sample_rate, "loss_first": losses[0], "loss_last": float(np.mean(losses[-10:])),
-            "moved_positive": float(moved_pos), "moved_other": float(moved_neg), "top1": top1}
+    probe_loss = float(jnp.mean(jax.nn.logsumexp(32.0 * cos, axis=1) - 32.0 * cos[jnp.arange(len(truth)), truth]))
+    return {"fc_dtype": jnp.dtype(dtype).name, "fc_weight_rounding": rounding, "classes": args.classes,
+            "active": args.active, "steps": args.steps, "sample_rate": args.sample_rate, "loss_first": losses[0],
+            "loss_last": float(np.mean(losses[-10:])), "moved_positive": float(moved_pos),
+            "moved_other": float(moved_neg), "top1": top1, "probe_loss": probe_loss}, weight.astype(jnp.float32)
+
+
+def off_float32(weight, float32, init, rows) -> float:
+    """``‖weight − float32‖ / ‖float32 − init‖`` over ``rows``."""
+    return float(jnp.linalg.norm(weight[rows] - float32[rows]) / jnp.linalg.norm(float32[rows] - init[rows]))
 
 
 def main():
@@ -92,9 +108,14 @@ def main():
         args.classes, args.active, args.dim, args.batch, args.steps = 4096, 64, 16, 32, 3
     init = 0.01 * np.random.default_rng(0).normal(size=(args.classes, args.dim))
     init = np.asarray(jnp.asarray(init, jnp.bfloat16).astype(jnp.float32))  # one start, exact in both storages
-    rows = [train(dtype, args, init) for dtype in (jnp.float32, jnp.bfloat16)]
-    print_table(rows, ["fc_dtype", "classes", "active", "steps", "loss_first", "loss_last", "moved_positive",
-                       "moved_other", "top1"])
+    runs = [train(dtype, rounding, args, init) for dtype, rounding in STORAGES]
+    init, float32 = jnp.asarray(init), runs[0][1]
+    active, other = slice(0, args.active), slice(args.active, args.classes)  # the labels are the first classes
+    rows = [dict(row, off_float32_active=off_float32(weight, float32, init, active),
+                 off_float32_other=off_float32(weight, float32, init, other)) for row, weight in runs]
+    print_table(rows, ["fc_dtype", "fc_weight_rounding", "classes", "active", "steps", "loss_first", "loss_last",
+                       "moved_positive", "moved_other", "off_float32_active", "off_float32_other", "top1",
+                       "probe_loss"])
     write_json(args.out, rows)
 
 

@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 STATES = {
     "float32": {"fc_dtype": "float32"},
     "bfloat16": {"fc_dtype": "bfloat16"},
+    "bfloat16-stochastic": {"fc_dtype": "bfloat16", "fc_weight_rounding": "stochastic"},
     "bfloat16+int8": {"fc_dtype": "bfloat16", "fc_state_dtype": "int8"},
 }
 

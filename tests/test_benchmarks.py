@@ -13,7 +13,7 @@ import pytest
 
 from conftest import COMPILATION_CACHE
 from jaxcls.bench import RowFailed, in_fresh_process
-from jaxcls.config import benchmark_config
+from jaxcls.config import benchmark_config, validate
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = {
@@ -30,9 +30,11 @@ SCRIPTS = {
                     "max_classes_95"},
     "gpu_program.py": {"program", "kind", "kernels", "result_MiB", "moved_GiB"},
     "profile_step.py": {"program", "wall_ms", "device_ms", "fusion_ms"},
-    "fc_rounding.py": {"fc_dtype", "loss_last", "moved_positive", "moved_other", "top1"},
+    "fc_rounding.py": {"fc_dtype", "fc_weight_rounding", "loss_last", "moved_positive", "moved_other",
+                       "off_float32_active", "off_float32_other", "top1", "probe_loss"},
     "mbf_convolutions.py": {"part", "lowering", "batch"},
-    "fc_bytes_per_row.py": {"fc_dtype", "sampled_rows", "moved_bytes", "kb_per_sampled_row", "floor_kb"},
+    "fc_bytes_per_row.py": {"fc_dtype", "fc_weight_rounding", "sampled_rows", "moved_bytes", "kb_per_sampled_row",
+                            "floor_kb"},
     "fc_kernels.py": {"kernel", "case", "form", "ms", "least_GB_per_s", "diff_vs_xla"},
     "partialfc_draw.py": {"classes", "rows", "form", "ms", "temp_bytes_per_class"},
 }
@@ -95,6 +97,17 @@ def test_fc_state_accuracy_summarises_each_storage_over_its_seeds():
     assert table["float32"]["seeds"] == [0, 1] and table["float32"]["accuracy"] == [0.9, 0.7]
     assert table["float32"]["mean"] == pytest.approx(0.8) and table["float32"]["sd"] == pytest.approx(0.1 * 2 ** 0.5)
     assert table["int8"]["mean"] == 0.8 and table["int8"]["sd"] is None
+
+
+def test_fc_state_accuracy_storages_are_valid_glyphs_configs():
+    """Each storage's overrides on configs/glyphs_r18.py pass the trainer's checks (a bad one would fail an hour in)."""
+    spec = importlib.util.spec_from_file_location("glyphs_r18", ROOT / "configs" / "glyphs_r18.py")
+    configs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(configs)
+    for overrides in benchmark("fc_state_accuracy").STATES.values():
+        config = configs.get_config()
+        config.update(overrides)
+        validate(config, num_devices=8)
 
 
 def test_the_sort_free_partialfc_draw_takes_the_rows_jaxcls_takes(rng):
