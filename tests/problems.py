@@ -17,3 +17,9 @@ def draw(rng, mesh, c, n, rate, class_axes=("data", "class"), key=None):
     f = jax.jit(partial(sample_classes, mesh=mesh, num_classes=c, num_rows=rows, sample_rate=rate,
                         class_axes=class_axes))
     return labels, f(key, labels), rows
+
+
+def global_rows(sample_rows, rows, shards):
+    """The global row of each sampled row: ``sample_rows`` holds local indices, shard after shard, of a weight of
+    ``rows`` rows split into ``shards`` class shards."""
+    return np.asarray(sample_rows) + np.repeat(np.arange(shards) * (rows // shards), len(sample_rows) // shards)

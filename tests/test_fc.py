@@ -15,6 +15,7 @@ from jaxcls.fc import head as fc_head
 from jaxcls.losses import rows_backward, rows_stats, sharded_margin_loss
 from jaxcls.fc.sampling import gather_rows
 from jaxcls.fc.optimizers import SparseState, adamw, decode, encode, sgd
+from problems import global_rows
 from reference import MARGINS, adamw_step, rel_err, sgd_step, value_and_grads
 
 LAYOUTS = [((1, 8), ("data", "class")), ((2, 4), ("data", "class")), ((2, 4), ("class",)), ((4, 2), ("class",))]
@@ -43,9 +44,7 @@ def sampled_global_rows(head, sample_rows):
     """Global row index of every sampled row, in sample order (every row without sampling)."""
     if sample_rows is None:
         return np.arange(head.rows)
-    shards = class_shards(head.mesh, head.class_axes)
-    per_shard = len(sample_rows) // shards
-    return np.asarray(sample_rows) + np.repeat(np.arange(shards) * (head.rows // shards), per_shard)
+    return global_rows(sample_rows, head.rows, class_shards(head.mesh, head.class_axes))
 
 
 def run(head, weight, state, emb, labels, sample, lr, **kwargs):

@@ -13,7 +13,7 @@ from jaxcls.losses import init_weight
 from jaxcls.fc.sampling import gather_rows
 from jaxcls.fc.optimizers import (SparseState, adamw, decode, encode, round_half_even, rounding_bits, sgd,
                                   stochastic_round)
-from problems import draw
+from problems import draw, global_rows
 
 
 def optax_reference(name, w_rows, slots, g_rows, lr, count):
@@ -46,16 +46,14 @@ def test_sparse_update_equals_optax_on_sampled_rows_and_leaves_others(mesh_shape
     step = jax.jit(partial(opt.update, mesh=mesh), donate_argnums=())
     new_w, new_state = step(weight, state, sample.rows, grads, lr)
 
-    # Global row index of each sampled row.
-    c_local = rows // mesh.size
-    global_rows = np.asarray(sample.rows) + np.repeat(np.arange(mesh.size) * c_local, len(sample.rows) // mesh.size)
-    w_rows = np.asarray(weight)[global_rows]
-    slots = tuple(np.asarray(s)[global_rows] for s in state.slots)
+    sampled = global_rows(sample.rows, rows, mesh.size)
+    w_rows = np.asarray(weight)[sampled]
+    slots = tuple(np.asarray(s)[sampled] for s in state.slots)
     ref_w, ref_slots = optax_reference(name, w_rows, slots, np.asarray(grads), lr, int(state.count))
-    np.testing.assert_allclose(np.asarray(new_w)[global_rows], ref_w, rtol=2e-6, atol=1e-6)  # f32 cancellation in w − lr·buf
+    np.testing.assert_allclose(np.asarray(new_w)[sampled], ref_w, rtol=2e-6, atol=1e-6)  # f32 cancellation in w − lr·buf
     for new, ref in zip(new_state.slots, ref_slots):
-        np.testing.assert_allclose(np.asarray(new)[global_rows], ref, rtol=2e-6, atol=1e-6)  # f32 cancellation in w − lr·buf
-    untouched = np.setdiff1d(np.arange(rows), global_rows)
+        np.testing.assert_allclose(np.asarray(new)[sampled], ref, rtol=2e-6, atol=1e-6)  # f32 cancellation in w − lr·buf
+    untouched = np.setdiff1d(np.arange(rows), sampled)
     assert np.array_equal(np.asarray(new_w)[untouched], np.asarray(weight)[untouched])
     for new, old in zip(new_state.slots, state.slots):
         assert np.array_equal(np.asarray(new)[untouched], np.asarray(old)[untouched])
@@ -91,12 +89,11 @@ def test_compact_state_updates_in_float32_and_stores_rounded(dtype, rng):
     grads = jax.device_put(rng.normal(size=(len(sample.rows), d)).astype(np.float32), weight.sharding)
     new_w, new_state = jax.jit(partial(opt.update, mesh=mesh))(weight, state, sample.rows, grads, 0.1)
     assert new_w.dtype == dtype and new_state.slots[0].dtype == dtype
-    c_local = rows // 8
-    global_rows = np.asarray(sample.rows) + np.repeat(np.arange(8) * c_local, len(sample.rows) // 8)
-    w32 = np.asarray(weight.astype(jnp.float32))[global_rows]
+    sampled = global_rows(sample.rows, rows, 8)
+    w32 = np.asarray(weight.astype(jnp.float32))[sampled]
     g = np.asarray(grads) + 5e-4 * w32
-    assert_rounded_float32_result(np.asarray(new_w)[global_rows], w32 - 0.1 * g, dtype, np.abs(w32) + np.abs(0.1 * g))
-    assert_rounded_float32_result(np.asarray(new_state.slots[0])[global_rows], g, dtype,
+    assert_rounded_float32_result(np.asarray(new_w)[sampled], w32 - 0.1 * g, dtype, np.abs(w32) + np.abs(0.1 * g))
+    assert_rounded_float32_result(np.asarray(new_state.slots[0])[sampled], g, dtype,
                                   np.abs(np.asarray(grads)) + np.abs(5e-4 * w32))
 
 
@@ -129,26 +126,25 @@ def test_one_byte_state_is_the_float32_momentum_rounded_to_a_scale_per_row(dtype
     lr = float(rng.uniform(0.01, 0.5))
     new_w, new_state = jax.jit(partial(opt.update, mesh=mesh))(weight, state, sample.rows, grads, lr)
 
-    c_local = rows // 8
-    global_rows = np.asarray(sample.rows) + np.repeat(np.arange(8) * c_local, len(sample.rows) // 8)
-    w64, old = np.asarray(weight, np.float64)[global_rows], np.asarray(decode(state.slots), np.float64)[global_rows]
+    sampled = global_rows(sample.rows, rows, 8)
+    w64, old = np.asarray(weight, np.float64)[sampled], np.asarray(decode(state.slots), np.float64)[sampled]
     exact = 0.9 * old + np.asarray(grads, np.float64) + 5e-4 * w64  # the float64 momentum of this step
     operands = 0.9 * np.abs(old) + np.abs(np.asarray(grads)) + 5e-4 * np.abs(w64)
     f32 = 4 * float(np.finfo(np.float32).eps) * operands
     # the weight moves by the momentum before it is rounded for storage
-    assert np.all(np.abs(np.asarray(new_w)[global_rows] - (w64 - lr * exact)) <= 2e-6 * np.abs(w64) + lr * f32)
-    new_values, new_scales = (np.asarray(a, np.float64)[global_rows] for a in new_state.slots)
+    assert np.all(np.abs(np.asarray(new_w)[sampled] - (w64 - lr * exact)) <= 2e-6 * np.abs(w64) + lr * f32)
+    new_values, new_scales = (np.asarray(a, np.float64)[sampled] for a in new_state.slots)
     top = float(jnp.finfo(dtype).max if dtype == jnp.float8_e4m3fn else jnp.iinfo(dtype).max)
     row_max = np.max(np.abs(exact), axis=1, keepdims=True)
     # the largest magnitude maps to the top value
     assert np.all(np.abs(new_scales - row_max / top) <= (np.max(f32, axis=1, keepdims=True) + 1e-6 * row_max) / top)
-    assert np.array_equal(np.max(np.abs(new_values), axis=1), np.full(len(global_rows), top))
+    assert np.array_equal(np.max(np.abs(new_values), axis=1), np.full(len(sampled), top))
     # each value is the nearest one of the code (half a step off at most), in units of its row's scale
     scaled = exact / new_scales
     step = 1.0 if dtype == jnp.int8 else np.maximum(np.abs(scaled) * float(jnp.finfo(dtype).eps),
                                                     float(jnp.finfo(dtype).smallest_subnormal))
     assert np.all(np.abs(new_values - scaled) <= step / 2 + f32 / new_scales + 1e-5 * np.abs(scaled))
-    untouched = np.setdiff1d(np.arange(rows), global_rows)
+    untouched = np.setdiff1d(np.arange(rows), sampled)
     for new, before in zip((new_w, *new_state.slots), (weight, *state.slots)):
         assert np.array_equal(np.asarray(new)[untouched], np.asarray(before)[untouched])
     zero_rows = np.all(momentum == 0, axis=1)  # stored with scale 0; they decode to zeros, not NaN
@@ -225,8 +221,8 @@ def test_stochastic_rounding_keeps_the_updates_below_the_bfloat16_step(mesh_shap
     magnitudes = rng.choice([-1, 1], weight.shape) * rng.uniform(1, 2, weight.shape)  # bfloat16 step is 2**-7
     weight = jax.device_put(magnitudes.astype(jnp.bfloat16), weight.sharding)
     grads = jax.device_put(rng.normal(size=(len(sample.rows), d)).astype(np.float32), weight.sharding)
-    global_rows = np.asarray(sample.rows) + np.repeat(np.arange(8) * (rows // 8), len(sample.rows) // 8)
-    w = np.asarray(weight, np.float64)[global_rows]
+    sampled = global_rows(sample.rows, rows, 8)
+    w = np.asarray(weight, np.float64)[sampled]
     lr = 0.45 * 2.0**-8 / float(np.max(np.abs(np.asarray(grads) + 5e-4 * w)))  # every update under half a step
     exact = w - lr * (np.asarray(grads, np.float64) + 5e-4 * w)  # sgd's first step (no momentum yet), float64
     new = {}
@@ -235,12 +231,12 @@ def test_stochastic_rounding_keeps_the_updates_below_the_bfloat16_step(mesh_shap
         new[rounding] = np.asarray(jax.jit(partial(opt.update, mesh=mesh))(
             weight, opt.init(weight), sample.rows, grads, lr)[0], np.float64)
     assert np.array_equal(new["nearest"], np.asarray(weight, np.float64))
-    moved = new["stochastic"][global_rows]
+    moved = new["stochastic"][sampled]
     low, high, above = bfloat16_neighbours(exact.astype(np.float32))
     assert np.all((moved == low) | (moved == high))
     update = exact - w
     noise = np.sqrt(np.sum((high - low) ** 2 * above * (1 - above)))
     assert abs(np.sum(np.sign(update) * (moved - exact))) < 5 * noise
     assert np.sum(np.abs(update)) > 20 * noise  # rounding to nearest (moved == w) would fail the sum
-    untouched = np.setdiff1d(np.arange(rows), global_rows)
+    untouched = np.setdiff1d(np.arange(rows), sampled)
     assert np.array_equal(new["stochastic"][untouched], np.asarray(weight, np.float64)[untouched])
