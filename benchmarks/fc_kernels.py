@@ -252,16 +252,18 @@ def main():
     updates = [case for case in UPDATES if args.update is None or "/".join(case) in args.update]
     kernels = {"stats": (stats_row, STATISTICS), "embedding_grad": (embedding_grad_row, STATISTICS),
                "backward": (backward_row, updates)}  # each kernel's row and its cases
+    measured = [(row, case) for name, (row, cases) in kernels.items() if name in (args.kernel or kernels)
+                for case in cases]
     rows = []
     for i, settings in enumerate(_settings(args.set)):
         _apply(settings)
-        forms = ["xla", kernel] if i == 0 else [kernel]
         rng = np.random.default_rng(0)
-        rows += [dict(row(case, form, *sizes, rng), settings=settings if form != "xla" else {})
-                 for name, (row, cases) in kernels.items() if name in (args.kernel or kernels)
-                 for case in cases for form in forms]
+        for row, case in measured:
+            for form in ["xla", kernel] if i == 0 else [kernel]:
+                rows.append(dict(row(case, form, *sizes, rng), settings=settings if form != "xla" else {}))
+                print(rows[-1], flush=True)
+        write_json(args.out, rows)  # after each combination: a sweep stopped by a time limit keeps what it timed
     print_table(rows, ["kernel", "case", "form", "ms", "least_GB_per_s", "diff_vs_xla", "d_e_diff_vs_xla"])
-    write_json(args.out, rows)
 
 
 if __name__ == "__main__":
