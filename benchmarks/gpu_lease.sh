@@ -18,6 +18,12 @@
 #             --python-version 3.12 --platform manylinux2014_x86_64 --platform any -d .whl ml_collections
 #             simplejpeg grain array-record portpicker`
 #   .gpudata  `cp -r ../shared/bench .gpudata/`, and for `--pipeline` jobs glyphs' train.rec, train.idx, property
+# and, where an earlier lease left one, a third:
+#   .gpucache/autotune  XLA:GPU's autotuning results per fusion (which cuDNN algorithm, which Triton tiling), that
+#             JAX keeps beside its compilation cache: $OUT/autotune.tgz of the last lease, unpacked with `mkdir -p
+#             .gpucache && tar xzf autotune.tgz -C .gpucache`. Jobs then skip autotuning what an earlier lease tuned
+#             (it is keyed by the GPU's model and each fusion's HLO, so other cards and changed code tune anew);
+#             the timed steps are the same programs, only their compile_s is shorter.
 set -u
 OUT=${OUT:-/tmp/out}
 export RESULTS=/tmp/results
@@ -27,6 +33,9 @@ exec > >(tee -a "$OUT/log.txt") 2>&1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 export JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache  # a job that compiles what an earlier one did reuses it
+AUTOTUNE=$JAX_COMPILATION_CACHE_DIR/xla_gpu_per_fusion_autotune_cache_dir  # where JAX points XLA's autotuning cache
+mkdir -p "$AUTOTUNE"
+[[ -d .gpucache/autotune ]] && cp -rn .gpucache/autotune/. "$AUTOTUNE"/ && echo "autotuning cache: $(find "$AUTOTUNE" -type f | wc -l) entries carried"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
 python3 -c 'import jax, flax, optax; print("jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version__,
 jax.devices())'
@@ -57,4 +66,6 @@ for job in "$@"; do
   echo "=== $(date +%T) rc=$rc after $((SECONDS - start)) s: $job"
   echo "$job" >> "$RESULTS/done.txt"
   tar czf "$OUT/results.tgz" "$RESULTS" benchmarks/results 2>/dev/null
+  tar czf "$OUT/autotune.tgz" -C "$(dirname "$AUTOTUNE")" --transform "s|^$(basename "$AUTOTUNE")|autotune|" \
+    "$(basename "$AUTOTUNE")"
 done
