@@ -26,16 +26,20 @@
 #             the timed steps are the same programs, only their compile_s is shorter.
 set -u
 OUT=${OUT:-/tmp/out}
-export RESULTS=/tmp/results
+export RESULTS=${RESULTS:-/tmp/results}
 mkdir -p "$OUT" "$RESULTS"
 touch "$RESULTS/done.txt"
 exec > >(tee -a "$OUT/log.txt") 2>&1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
-export JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache  # a job that compiles what an earlier one did reuses it
+# a job that compiles what an earlier one did reuses it
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax_cache}
 AUTOTUNE=$JAX_COMPILATION_CACHE_DIR/xla_gpu_per_fusion_autotune_cache_dir  # where JAX points XLA's autotuning cache
 mkdir -p "$AUTOTUNE"
-[[ -d .gpucache/autotune ]] && cp -rn .gpucache/autotune/. "$AUTOTUNE"/ && echo "autotuning cache: $(find "$AUTOTUNE" -type f | wc -l) entries carried"
+if [[ -d .gpucache/autotune ]]; then
+  cp -rn .gpucache/autotune/. "$AUTOTUNE"/
+  echo "autotuning cache: $(find "$AUTOTUNE" -type f | wc -l) entries carried"
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
 python3 -c 'import jax, flax, optax; print("jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version__,
 jax.devices())'

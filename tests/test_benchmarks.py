@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -108,6 +109,35 @@ def test_fc_state_accuracy_storages_are_valid_glyphs_configs():
         config = configs.get_config()
         config.update(overrides)
         validate(config, num_devices=8)
+
+
+def test_gpu_lease_logs_each_jobs_status_runs_fallbacks_resumes_and_carries_the_autotuning_cache(tmp_path):
+    """benchmarks/gpu_lease.sh, as a lease runs it (here without a GPU, on sh: jobs): each job's own exit status in
+    the log (it once logged rc=0 for every job), a ``|JOB`` only after a failure, a second call skipping what the
+    first finished, and XLA's autotuning results carried in from .gpucache and out in $OUT/autotune.tgz."""
+    checkout, out = tmp_path / "checkout", tmp_path / "out"
+    (checkout / ".gpucache" / "autotune" / "h100").mkdir(parents=True)
+    (checkout / ".gpucache" / "autotune" / "h100" / "fusion.textproto").write_text("tuned")
+    env = os.environ | {"OUT": str(out), "RESULTS": str(tmp_path / "results"),
+                        "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"), "JAX_PLATFORMS": "cpu"}
+    jobs = ["sh:exit 3", "|sh:echo fallback-ran", "|sh:echo not-after-a-pass", "sh:echo $RESULTS > $RESULTS/seen"]
+
+    def lease():
+        proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_lease.sh"), *jobs], cwd=checkout, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout
+
+    log = lease()
+    outputs = log.splitlines()  # what the jobs printed, each on a line of its own
+    assert "rc=3 after" in log.split("=== ")[2] and "fallback-ran" in outputs and "not-after-a-pass" not in outputs
+    assert "skipped, the job before it passed: sh:echo not-after-a-pass" in log
+    assert (tmp_path / "results" / "seen").read_text().strip() == str(tmp_path / "results")
+    assert "autotuning cache: 1 entries carried" in log
+    with tarfile.open(out / "autotune.tgz") as carried:
+        assert "autotune/h100/fusion.textproto" in carried.getnames()
+    again = lease()
+    assert all(f"=== done in an earlier call: {job.lstrip('|')}" in again for job in jobs[:2] + jobs[3:])
 
 
 def test_the_sort_free_partialfc_draw_takes_the_rows_jaxcls_takes(rng):
