@@ -28,6 +28,7 @@ STATES = {
     "bfloat16": {"fc_dtype": "bfloat16"},
     "bfloat16-stochastic": {"fc_dtype": "bfloat16", "fc_weight_rounding": "stochastic"},
     "bfloat16+int8": {"fc_dtype": "bfloat16", "fc_state_dtype": "int8"},
+    "bfloat16-stochastic+int8": {"fc_dtype": "bfloat16", "fc_weight_rounding": "stochastic", "fc_state_dtype": "int8"},
 }
 
 
