@@ -10,7 +10,7 @@ from flax import nnx
 
 from jaxcls.models import MODELS, count_params, create, get_model
 from jaxcls.models.iresnet import STAGES
-from jaxcls.models.layers import BatchNorm, fused_silu
+from jaxcls.models.layers import BatchNorm, PReLU, fused_silu
 from jaxcls.models.vit import Block
 from jaxcls.precision import all_finite
 from reference import rel_err
@@ -31,8 +31,10 @@ def iresnet_params(stages, nf=512):
 
 def mbf_params(blocks=(1, 4, 6, 2), scale=2, nf=512):
     """arcface_torch's MobileFaceNet: conv(no bias) + BN (2/ch) + PReLU (1/ch) per ConvBlock."""
-    conv_block = lambda cin, cout, k, groups=1, prelu=True: cin // groups * cout * k * k + 2 * cout + (cout if prelu else 0)
-    depthwise = lambda cin, cout, g: conv_block(cin, g, 1) + conv_block(g, g, 3, g) + conv_block(g, cout, 1, prelu=False)
+    conv_block = lambda cin, cout, k, groups=1, prelu=True: (cin // groups * cout * k * k + 2 * cout
+                                                             + (cout if prelu else 0))
+    depthwise = lambda cin, cout, g: (conv_block(cin, g, 1) + conv_block(g, g, 3, g)
+                                      + conv_block(g, cout, 1, prelu=False))
     c1, c2 = 64 * scale, 128 * scale
     total = conv_block(3, c1, 3) + conv_block(c1, c1, 3, 64)
     total += depthwise(c1, c1, 128) + blocks[1] * depthwise(c1, c1, 128)
@@ -192,42 +194,54 @@ def test_fused_silu_saves_only_its_input():
     assert residual_bytes(jax.nn.silu) > residual_bytes(fused_silu)
 
 
-def grouped_batchnorm_reference(x, scale, bias, mean, var, g, groups, momentum=0.9, eps=1e-5):
-    """Per-group batch norm in float64: output, d/d (x, scale, bias) of ``sum(output · g)``, new running stats."""
-    blocks, dy = x.reshape(groups, -1, x.shape[-1]), g.reshape(groups, -1, x.shape[-1])  # [G, rows·spatial, C]
+def grouped_batchnorm_reference(x, scale, bias, mean, var, g, groups, alpha=None, momentum=0.9, eps=1e-5):
+    """Per-group batch norm, then PReLU with slopes ``alpha`` (None: none), in float64: output,
+    d/d (x, scale, bias, alpha) of ``sum(output · g)``, new running stats."""
+    blocks = x.reshape(groups, -1, x.shape[-1])  # [G, rows·spatial, C]
     mu, sigma2 = blocks.mean(1, keepdims=True), blocks.var(1, keepdims=True)
     xhat = (blocks - mu) / np.sqrt(sigma2 + eps)
+    y = xhat * scale + bias
+    g = g.reshape(blocks.shape)
+    out, dy = (y, g) if alpha is None else (np.where(y >= 0, y, alpha * y), np.where(y >= 0, g, alpha * g))
     dx = scale / np.sqrt(sigma2 + eps) * (dy - dy.mean(1, keepdims=True) - xhat * (dy * xhat).mean(1, keepdims=True))
+    dalpha = None if alpha is None else np.where(y < 0, g * y, 0).sum((0, 1))
     n = blocks.shape[1]
     new_mean = momentum * mean + (1 - momentum) * mu.mean(axis=(0, 1))
     new_var = momentum * var + (1 - momentum) * sigma2.mean(axis=(0, 1)) * n / (n - 1)
-    return ((xhat * scale + bias).reshape(x.shape), (dx.reshape(x.shape), (dy * xhat).sum((0, 1)), dy.sum((0, 1))),
+    return (out.reshape(x.shape), (dx.reshape(x.shape), (dy * xhat).sum((0, 1)), dy.sum((0, 1)), dalpha),
             (new_mean, new_var))
 
 
+@pytest.mark.parametrize("prelu,use_scale", [(False, True), (True, True), (True, False)])
 @pytest.mark.parametrize("one_pass", [True, False])
 @pytest.mark.parametrize("groups", [1, 4])
-def test_batchnorm_in_groups_matches_float64_per_group_reference(groups, one_pass, rng):
+def test_batchnorm_in_groups_matches_float64_per_group_reference(groups, one_pass, prelu, use_scale, rng):
+    """Values, gradients (BatchNorm's own backward, with the PReLU it applies) and running statistics."""
     x, g = rng.normal(1.0, 2.0, (8, 3, 3, 5)), rng.normal(size=(8, 3, 3, 5))
-    scale, bias = rng.uniform(0.5, 2, 5), rng.normal(size=5)
-    mean, var = rng.normal(size=5), rng.uniform(0.5, 2, 5)
-    bn = BatchNorm(5, groups=groups)
+    scale, bias = (rng.uniform(0.5, 2, 5) if use_scale else np.ones(5)), rng.normal(size=5)
+    mean, var, alpha = rng.normal(size=5), rng.uniform(0.5, 2, 5), rng.uniform(-0.5, 0.5, 5)
+    bn, activation = BatchNorm(5, groups=groups, use_scale=use_scale), PReLU(5) if prelu else None
     bn.one_pass = one_pass
-    for variable, value in ((bn.scale, scale), (bn.bias, bias), (bn.mean, mean), (bn.var, var)):
-        variable.set_value(jnp.asarray(value, jnp.float32))
-    graphdef, params, stats = nnx.split(bn, nnx.Param, ...)
+    for variable, value in ((bn.scale, scale), (bn.bias, bias), (bn.mean, mean), (bn.var, var),
+                            (getattr(activation, "alpha", None), alpha)):
+        if variable is not None:
+            variable.set_value(jnp.asarray(value, jnp.float32))
+    graphdef, params, stats = nnx.split((bn, activation), nnx.Param, ...)
 
     def apply(x, params, stats):  # stats enter as a primal: NNX mutates BatchStats only of the trace that made them
-        module = nnx.merge(graphdef, params, stats)
-        return module(x), nnx.state(module, nnx.BatchStat)
+        module, activation = nnx.merge(graphdef, params, stats)
+        return module(x, activation), nnx.state(module, nnx.BatchStat)
 
     out, pullback, new = jax.vjp(apply, jnp.asarray(x, jnp.float32), params, stats, has_aux=True)
     dx, dparams, _ = pullback(jnp.asarray(g, jnp.float32))
-    ref_out, (ref_dx, ref_dscale, ref_dbias), (ref_mean, ref_var) = grouped_batchnorm_reference(
-        x, scale, bias, mean, var, g, groups)
-    for actual, expected in [(out, ref_out), (dx, ref_dx), (dparams["scale"][...], ref_dscale),
-                             (dparams["bias"][...], ref_dbias), (new["mean"][...], ref_mean),
-                             (new["var"][...], ref_var)]:
+    ref_out, (ref_dx, ref_dscale, ref_dbias, ref_dalpha), (ref_mean, ref_var) = grouped_batchnorm_reference(
+        x, scale, bias, mean, var, g, groups, alpha if prelu else None)
+    checks = [(out, ref_out), (dx, ref_dx), (dparams[0]["bias"][...], ref_dbias), (new["mean"][...], ref_mean),
+              (new["var"][...], ref_var)]
+    checks += [(dparams[0]["scale"][...], ref_dscale)] if use_scale else []
+    checks += [(dparams[1]["alpha"][...], ref_dalpha)] if prelu else []
+    assert not use_scale or "scale" in dparams[0]
+    for actual, expected in checks:
         assert rel_err(actual, expected) < 1e-5
     with pytest.raises(ValueError, match="BatchNorm in 4 groups needs a batch divisible by it, got 6"):
         BatchNorm(5, groups=4)(jnp.zeros((6, 5)))

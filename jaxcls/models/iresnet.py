@@ -32,7 +32,7 @@ class IBasicBlock(nnx.Module):
             BatchNorm(out_ch, dtype=dtype, groups=bn_groups)) if reshape else None
 
     def __call__(self, x):
-        out = self.bn3(self.conv2(self.prelu(self.bn2(self.conv1(self.bn1(x))))))
+        out = self.bn3(self.conv2(self.bn2(self.conv1(self.bn1(x)), self.prelu)))
         shortcut = x if self.downsample is None else self.downsample(x)
         return tag_block_output(out + shortcut)
 
@@ -65,7 +65,7 @@ class IResNet(nnx.Module):
         self.features = BatchNorm(num_features, dtype=jnp.float32, use_scale=False, groups=bn_groups)
 
     def __call__(self, x):
-        x = self.prelu(self.bn1(self.conv1(x.astype(self.dtype))))
+        x = self.bn1(self.conv1(x.astype(self.dtype)), self.prelu)
         for first, rest in zip(self.firsts, self.rests):
             x = remat_call(first, x, self.remat)
             x = x if rest is None else rest(x)

@@ -6,6 +6,9 @@ Precision: parameters are float32; ``dtype`` is the compute dtype of convolution
 
 from __future__ import annotations
 
+import math
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -19,22 +22,21 @@ BN_EPS = 1e-5
 
 
 class PReLU(nnx.Module):
-    """Per-channel PReLU (torch ``nn.PReLU(num_parameters=C)``), slopes initialised to 0.25."""
+    """Per-channel PReLU (torch ``nn.PReLU(num_parameters=C)``), slopes initialised to 0.25; applied by the
+    BatchNorm before it (``bn(x, prelu)``), which fuses it into its backward."""
 
     def __init__(self, channels: int):
         self.alpha = nnx.Param(jnp.full((channels,), 0.25, jnp.float32))
 
-    def __call__(self, x):
-        return jnp.where(x >= 0, x, self.alpha[...].astype(x.dtype) * x)
-
 
 class BatchNorm(nnx.Module):
-    """BatchNorm over all but the last axis; statistics in float32, output in ``dtype``.
+    """BatchNorm over all but the last axis; statistics in float32, output in ``dtype``; ``bn(x, prelu)`` applies
+    a ``PReLU`` to the output.
 
     torch's defaults (momentum 0.1 → running = 0.9·running + 0.1·batch, eps 1e-5, unbiased running var).
     ``use_scale=False`` freezes the scale at 1 (arcface_torch's ``features`` layer). Written here rather than
     ``nnx.BatchNorm`` because the latter's in-place statistics update makes tracing quadratic in depth
-    (1.8 s of an r100 trace per 100 layers).
+    (1.8 s of an r100 trace per 100 layers). In training its backward is written out (``batch_normalized``).
 
     ``groups`` (static): in training, a batch ``[B, ..., C]`` is ``groups`` blocks of ``B / groups``
     consecutive rows, each normalized with its own mean and variance (with the batch split over ``groups``
@@ -54,34 +56,26 @@ class BatchNorm(nnx.Module):
         # several devices (bn_sync), which would each need the group's first value broadcast, layer by layer
         self.one_pass = True
 
-    def __call__(self, x):
-        x32 = x.astype(jnp.float32)
+    def __call__(self, x, prelu: PReLU | None = None):
+        affine = (None if self.scale is None else self.scale[...], self.bias[...],
+                  None if prelu is None else prelu.alpha[...])
         if self.use_running_average:
-            mean, var = self.mean.get_value(), self.var.get_value()
-        elif self.groups == 1:  # no reshape: the float rounding of runs from before groups existed, exactly
-            mean, var = _moments(x32, tuple(range(x.ndim - 1)), one_pass=self.one_pass)
-            self._update_running(mean, var, count=x32.size // x.shape[-1])
-        else:
-            return self._grouped(x32).reshape(x.shape).astype(self.dtype)
-        return self._normalize(x32, mean, var).astype(self.dtype)
-
-    def _grouped(self, x32):
-        """``x32 [B, ..., C]`` normalized per block of ``B / groups`` rows, as ``[groups, B / groups, ..., C]``."""
-        b, c = x32.shape[0], x32.shape[-1]
+            return _normalized(x, self.mean.get_value(), self.var.get_value(), *affine, self.epsilon, self.dtype)
+        if self.groups == 1:  # no reshape: the float rounding of runs from before groups existed, exactly
+            axes = tuple(range(x.ndim - 1))
+            mean, var = _moments(x.astype(jnp.float32), axes, keepdims=True, one_pass=self.one_pass)
+            self._update_running(mean.reshape(-1), var.reshape(-1), count=x.size // x.shape[-1])
+            return batch_normalized(x, mean, var, *affine, axes, self.epsilon, self.dtype)
+        b, c = x.shape[0], x.shape[-1]
         if b % self.groups:
             raise ValueError(f"BatchNorm in {self.groups} groups needs a batch divisible by it, got {b}")
-        blocks = x32.reshape(self.groups, b // self.groups, *x32.shape[1:])
-        mean, var = _moments(blocks, tuple(range(1, blocks.ndim - 1)), keepdims=True, one_pass=self.one_pass)
+        blocks = x.reshape(self.groups, b // self.groups, *x.shape[1:])
+        axes = tuple(range(1, blocks.ndim - 1))
+        mean, var = _moments(blocks.astype(jnp.float32), axes, keepdims=True, one_pass=self.one_pass)
         # one reduction of [2C] over the groups (an all-reduce when they lie on several devices), forward only
         both = jnp.mean(jnp.concatenate([mean, var], axis=-1).reshape(self.groups, 2 * c), axis=0)
         self._update_running(both[:c], both[c:], count=blocks[0].size // c)
-        return self._normalize(blocks, mean, var)
-
-    def _normalize(self, x32, mean, var):
-        mul = jax.lax.rsqrt(var + self.epsilon)
-        if self.scale is not None:
-            mul = mul * self.scale[...]
-        return (x32 - mean) * mul + self.bias[...]
+        return batch_normalized(blocks, mean, var, *affine, axes, self.epsilon, self.dtype).reshape(x.shape)
 
     def _update_running(self, mean, var, count: int):
         """running ← m·running + (1 − m)·batch for the batch ``mean`` and biased ``var`` ``[C]`` of ``count``
@@ -89,6 +83,72 @@ class BatchNorm(nnx.Module):
         unbiased = var * count / max(count - 1, 1)
         for stat, batch in ((self.mean, mean), (self.var, unbiased)):
             stat.set_value(self.momentum * stat.get_value() + (1 - self.momentum) * jax.lax.stop_gradient(batch))
+
+
+def _normalized(x, mean, var, scale, bias, alpha, epsilon: float, dtype):
+    """``(x − mean) / √(var + ε) · scale + bias`` in float32, in ``dtype``, then PReLU with slopes ``alpha`` in
+    ``dtype`` (``scale``, ``alpha`` None: none)."""
+    mul = lax.rsqrt(var + epsilon)
+    if scale is not None:
+        mul = mul * scale
+    y = ((x.astype(jnp.float32) - mean) * mul + bias).astype(dtype)
+    return y if alpha is None else jnp.where(y >= 0, y, alpha.astype(dtype) * y)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def batch_normalized(x, mean, var, scale, bias, alpha, axes: tuple, epsilon: float, dtype):
+    """``_normalized`` of ``x`` by its own batch statistics ``mean``, ``var`` (over ``axes``, kept as size-1 dims;
+    passed in, so that they are computed once with the running statistics), differentiated through them.
+
+    Its backward reads ``x`` and the output's gradient twice, in two passes: one reduction for the sums the
+    statistics', ``scale``'s, ``bias``'s and ``alpha``'s gradients need, then ``x``'s gradient, PReLU's recomputed
+    in each (autodiff of the same function wrote and re-read PReLU's gradient and ran its sums as separate
+    reductions: 7 reads and writes of the activation's size, against these 5; ``benchmarks/gpu_program.py``).
+    """
+    return _normalized(x, mean, var, scale, bias, alpha, epsilon, dtype)
+
+
+def _batch_normalized_fwd(x, mean, var, scale, bias, alpha, axes, epsilon, dtype):
+    return _normalized(x, mean, var, scale, bias, alpha, epsilon, dtype), (x, mean, var, scale, bias, alpha)
+
+
+def _batch_normalized_bwd(axes, epsilon, dtype, residuals, d_out):
+    x, mean, var, scale, bias, alpha = residuals
+    inv = lax.rsqrt(var + epsilon)
+    mul = inv if scale is None else inv * scale
+
+    def pointwise(x, d_out):  # x̂, the gradient before PReLU, and alpha's term, in float32
+        centered = x.astype(jnp.float32) - mean
+        d = d_out.astype(jnp.float32)
+        if alpha is None:
+            return centered * inv, d, None
+        # PReLU's input in float32: its sign is that of the forward's rounded input, but where that rounded to
+        # zero (the slope there is a matter of convention); reading the rounded value's sign instead made XLA:GPU
+        # write the sign to memory in a pass of its own
+        y = centered * mul + bias
+        negative = y < 0
+        return (centered * inv, jnp.where(negative, alpha.astype(dtype).astype(jnp.float32) * d, d),
+                jnp.where(negative, d * y, 0.0))
+
+    # each pass recomputes PReLU's mask from the x it reads: the barriers keep XLA from sharing it between the
+    # forward and the passes, as a mask written by one for the others to read (costs more than recomputing it)
+    x_hat, d_y, d_alpha = pointwise(lax.optimization_barrier(x), d_out)
+    terms = [d_y, d_y * x_hat] + ([] if alpha is None else [d_alpha])
+    sums = jnp.sum(jnp.stack(terms, -1), axes, keepdims=True)  # [..., C, 2 or 3]: one read of x and d_out
+    x, sums = lax.optimization_barrier((x, sums))
+    x_hat, d_y, _ = pointwise(x, d_out)
+    count = math.prod(x.shape[a] for a in axes)
+    d_x = mul * (d_y - (sums[..., 0] + x_hat * sums[..., 1]) / count)
+    # the sums the parameters' gradients need (x̂'s only with a scale), summed over groups: one [C, k] reduction
+    kept = [0] + ([] if scale is None else [1]) + ([] if alpha is None else [2])
+    per_channel = iter(jnp.moveaxis(sums[..., kept].reshape(-1, sums.shape[-2], len(kept)).sum(0), -1, 0))
+    d_bias = next(per_channel)
+    # no cotangent for mean and var: x's gradient went through them (None: a zero that autodiff drops)
+    return (d_x.astype(x.dtype), None, None, None if scale is None else next(per_channel), d_bias,
+            None if alpha is None else next(per_channel))
+
+
+batch_normalized.defvjp(_batch_normalized_fwd, _batch_normalized_bwd)
 
 
 def _moments(x, axes, keepdims=False, one_pass=True):

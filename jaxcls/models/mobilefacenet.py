@@ -18,8 +18,7 @@ class ConvBlock(nnx.Module):
         self.prelu = None if linear else PReLU(out_ch)
 
     def __call__(self, x):
-        x = self.bn(self.conv(x))
-        return x if self.prelu is None else self.prelu(x)
+        return self.bn(self.conv(x), self.prelu)
 
 
 class DepthWise(nnx.Module):
