@@ -53,9 +53,10 @@ def test_the_fc_update_is_in_place_and_no_collective_grows_with_the_classes(fc_s
     momentum_row = D * 2 if fc_state_dtype == "same" else D + 4  # bfloat16, or int8 and a float32 scale
     assert grown == {"FC weight": more_rows * D * 2, "FC optimizer state": more_rows * momentum_row}
     # the weight and momentum are updated in place: the temporaries hold no FC-sized copy (XLA:CPU's do,
-    # 2 × 64 B per row here); what grows is a few bytes per row of PartialFC's sampling
+    # 2 × 64 B per row here); what grows is a few bytes per row of PartialFC's sampling, or nothing: XLA's buffer
+    # assignment may pack the bigger program's temporaries a few hundred bytes tighter (-256 B seen)
     extra = big.memory_analysis().temp_size_in_bytes - small.memory_analysis().temp_size_in_bytes
-    assert 0 <= extra <= 4 * more_rows, extra
+    assert -4096 <= extra <= 4 * more_rows, extra
     ops = [collectives(c.as_text()) for c in (small, big)]
     assert ops[0] == ops[1] and len(ops[0]) >= 4  # every collective the same size at twice the classes
     assert {c.op for c in ops[0]} >= {"all-gather", "all-reduce"}
