@@ -38,7 +38,8 @@ def glyph_faces(identities, per):
 
 
 def loose_crop(face, rng):
-    """``face`` placed in a bigger picture by a random similarity, and the arcface landmarks moved with it (± 0.3 px)."""
+    """``face`` placed in a bigger picture by a random similarity, and the arcface landmarks moved with it
+    (± 0.3 px)."""
     size = int(rng.integers(150, 220))
     matrix = np.hstack([rotation(rng.uniform(-0.4, 0.4), rng.uniform(0.9, 1.5)), [[0.0], [0.0]]])
     matrix[:, 2] = size / 2 - matrix[:, :2] @ [56, 56] + rng.uniform(-10, 10, 2)
@@ -112,7 +113,7 @@ def reference_align(path, landmarks):
 
 def reference_ijb(root, workdir):
     """insightface's protocol written out: flip-summed features × detector score, media means summed per template,
-    normalised; the cosine of each pair; TAR at FAR and AUC from the brute-force ROC."""
+    normalised; ``(aligned faces, the cosine of each pair, its label)``."""
     lines = [line.split() for line in (root / "meta" / "ijbc_name_5pts_score.txt").read_text().splitlines()]
     media = [line.split() for line in (root / "meta" / "ijbc_face_tid_mid.txt").read_text().splitlines()]
     pairs = [line.split() for line in (root / "meta" / "ijbc_template_pair_label.txt").read_text().splitlines()]
@@ -130,11 +131,14 @@ def reference_ijb(root, workdir):
         total = sum(np.mean(group, axis=0) for group in by_media.values())
         encoded[template] = total / np.linalg.norm(total)
     scores = np.array([encoded[a] @ encoded[b] for a, b, _ in pairs])
-    labels = np.array([label == "1" for _, _, label in pairs])
+    return aligned, scores, np.array([label == "1" for _, _, label in pairs])
+
+
+def reference_metrics(labels, scores):
+    """TAR at each FAR and the AUC of the brute-force ROC of ``scores``."""
     fpr, tpr, _ = reference_roc(labels, scores)
-    impostors = np.sum(~labels)
-    tars = {far_key(far): reference_tar(fpr, tpr, far) for far in FARS if far * impostors >= 1}
-    return aligned, scores, tars, float(np.sum(np.diff(fpr) * (tpr[1:] + tpr[:-1]) / 2))
+    tars = {far_key(far): reference_tar(fpr, tpr, far) for far in FARS if far * np.sum(~labels) >= 1}
+    return tars, float(np.sum(np.diff(fpr) * (tpr[1:] + tpr[:-1]) / 2))
 
 
 def ijb_config():
@@ -149,14 +153,18 @@ def test_ijb_end_to_end_equals_the_reference(tmp_path, rng):
     write_release(tmp_path / "IJBC", rng)
     saved_run(tmp_path / "run", ijb_config(), rng)
     result = run(tmp_path, "IJBC", workdir=tmp_path / "run", batch_size=8, progress=False)
-    aligned, scores, tars, area = reference_ijb(tmp_path / "IJBC", tmp_path / "run")
+    aligned, scores, labels = reference_ijb(tmp_path / "IJBC", tmp_path / "run")
 
     protocol = read_protocol(tmp_path, "IJBC")
     ours = np.stack([align_face(np.asarray(Image.open(protocol.root / "loose_crop" / n).convert("RGB")), lm)
                      for n, lm in zip(protocol.names, protocol.landmarks)])
     difference = np.abs(ours.astype(int) - aligned)
     assert difference.max() <= 1 and difference.mean() < 1e-3  # rounding of x.5 levels only
-    np.testing.assert_allclose(np.load(tmp_path / "run" / "ijb_ijbc.scores.npy"), scores, rtol=1e-4, atol=1e-5)
+    saved_scores = np.load(tmp_path / "run" / "ijb_ijbc.scores.npy")
+    np.testing.assert_allclose(saved_scores, scores, rtol=1e-4, atol=1e-5)
+    # the ROC of the scores as saved: an untrained network's cosines lie close together, so the float rounding by
+    # which the two embedding paths differ can reorder near-tied pairs (AUC 0.3974 against 0.3982 seen)
+    tars, area = reference_metrics(labels, saved_scores)
     assert result == json.loads((tmp_path / "run" / "ijb_ijbc.json").read_text())
     assert result["faces"] == 25 and result["pairs"] == len(scores) and "tar@far=1e-01" in tars
     assert {k: v for k, v in result.items() if k.startswith("tar@")} == pytest.approx(tars, abs=1e-12)
