@@ -12,6 +12,8 @@ Only compiled (``memory_analysis()``), never run, so large C can be examined on 
     python benchmarks/fc_memory.py                 # C up to 40M on one device, D=512, N=128
     python benchmarks/fc_memory.py --devices 8     # the same split over 8 (simulated CPU) devices
     python benchmarks/fc_memory.py --small         # seconds; what the test suite runs
+    python benchmarks/fc_memory.py --devices 8 --classes 8388608 16777216 --emitters on off
+                                                   # XLA:CPU's fusion emitters (its default) against its elemental one
 
 bytes/class = (arguments + outputs − donated aliases + temporaries) × devices / C.
 """
@@ -47,7 +49,7 @@ def autodiff_step(head, weight, fc_state, emb, labels, sample, lr):
 ROUTES = {"fused": lambda head, *args: head.step(*args), "autodiff": autodiff_step}
 
 
-def fc_step_memory(mesh, c, n, d, rate, dtype, chunk_size, route):
+def fc_step_memory(mesh, c, n, d, rate, dtype, chunk_size, route, emitters=True):
     head = FCHead(mesh, c, d, arcface(), sgd(), sample_rate=rate, chunk_size=chunk_size, dtype=dtype)
 
     def step(weight, fc_state, emb, labels, key):
@@ -60,11 +62,13 @@ def fc_step_memory(mesh, c, n, d, rate, dtype, chunk_size, route):
     compute = jnp.float32 if dtype == jnp.float32 else jnp.bfloat16
     emb = jax.ShapeDtypeStruct((n, d), compute, sharding=batch_sharding(mesh))
     labels = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=batch_sharding(mesh))
-    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(w_abs, state_abs, emb, labels, jax.random.key(0)).compile()
+    options = None if emitters else {"xla_cpu_use_fusion_emitters": False}  # the tests' setting (tests/conftest.py)
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(w_abs, state_abs, emb, labels,
+                                                          jax.random.key(0)).compile(options)
     m = compiled.memory_analysis()
     total = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
     return {"route": route, "C": c, "sample_rate": rate, "dtype": jnp.dtype(dtype).name, "chunk": chunk_size, "N": n,
-            "D": d, "devices": mesh.size, "argument_bytes": int(m.argument_size_in_bytes),
+            "D": d, "devices": mesh.size, "fusion_emitters": emitters, "argument_bytes": int(m.argument_size_in_bytes),
             "temp_bytes": int(m.temp_size_in_bytes),
             "alias_bytes": int(m.alias_size_in_bytes), "total_bytes_per_device": int(total),
             "GiB_per_device": total / 2**30, "bytes_per_class": total * mesh.size / c}
@@ -76,6 +80,9 @@ def main():
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--classes", type=int, nargs="+", help="class counts (default: 1M, 8M, 30M, 40M)")
+    parser.add_argument("--emitters", nargs="+", choices=["on", "off"], default=["on"],
+                        help="XLA:CPU's fusion emitters (on: its default) or its elemental emitter (off)")
     parser.add_argument("--out", default="benchmarks/results/fc_memory.json")
     args = parser.parse_args()
     if args.devices or args.small:
@@ -83,7 +90,7 @@ def main():
     if args.small:
         grid, n, d = [65_536], 64, 128
     else:
-        grid, n, d = [1 << 20, 8 << 20, 30_000_000, 40_000_000], args.batch, args.dim
+        grid, n, d = args.classes or [1 << 20, 8 << 20, 30_000_000, 40_000_000], args.batch, args.dim
     mesh = make_mesh()
     dtypes = (jnp.float32,) if args.small else (jnp.float32, jnp.bfloat16)
     cases = ((1.0, None), (0.1, 65_536)) if args.small else ((1.0, None), (1.0, 65_536), (0.1, None), (0.1, 65_536))
@@ -95,9 +102,10 @@ def main():
                 if chunk is not None and chunk >= rate * c_local:
                     chunk = max(1, int(rate * c_local) // 4)
                 for route in ROUTES:
-                    rows.append(fc_step_memory(mesh, c, n, d, rate, dtype, chunk, route))
-    print_table(rows, ["route", "C", "devices", "sample_rate", "dtype", "chunk", "GiB_per_device", "temp_bytes",
-                       "bytes_per_class"])
+                    rows += [fc_step_memory(mesh, c, n, d, rate, dtype, chunk, route, emitters == "on")
+                             for emitters in args.emitters]
+    print_table(rows, ["route", "C", "devices", "sample_rate", "dtype", "chunk", "fusion_emitters", "GiB_per_device",
+                       "temp_bytes", "bytes_per_class"])
     write_json(args.out, rows)
 
 
