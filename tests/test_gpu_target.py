@@ -30,10 +30,16 @@ ROWS = (2**12, 2**13)  # FC rows per device of the two compiles
 D = 32  # tiny.py's embedding size
 
 
-@functools.cache
 def compiled_at(rows: int, fc_state_dtype: str = "same", backward: str | None = None):
     """``(run, compiled step)`` of the tiny config, bfloat16 compute and FC weight (its state in ``fc_state_dtype``),
-    PartialFC 0.5, on 8 H100s; the tiles' backward in the ``backward`` form (None: the platform's default)."""
+    PartialFC 0.5, on 8 H100s; the tiles' backward in the ``backward`` form (None: the platform's default). Compiled
+    once per process for each setting, however the call spells it (``functools.cache`` keys on the arguments as
+    passed: ``compiled_at(R)`` and ``compiled_at(R, "same")`` compiled twice)."""
+    return _compiled_at(rows, fc_state_dtype, backward)
+
+
+@functools.cache
+def _compiled_at(rows: int, fc_state_dtype: str, backward: str | None):
     config = get_config(num_classes=8 * rows, sample_rate=0.5, chunk_size=1024, precision="bfloat16",
                         fc_dtype="bfloat16", fc_state_dtype=fc_state_dtype, mesh_data=2)
     with rows_backward.forced(backward):
