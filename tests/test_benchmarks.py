@@ -12,9 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import COMPILATION_CACHE
+from conftest import COMPILATION_CACHE, TEST_XLA_FLAGS
 from jaxcls.bench import RowFailed, in_fresh_process
 from jaxcls.config import benchmark_config, validate
+from jaxcls.startup import NO_LLVM_OPTIMIZATION
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = {
@@ -41,6 +42,8 @@ SCRIPTS = {
 }
 NEEDS = {"inference_runtimes.py": "jax2onnx"}
 GPU_TARGET = {"gpu_plan.py", "gpu_program.py"}  # compile for a GPU: JAX's CUDA plugin
+# scripts whose --small mode runs a full-width backbone: LLVM's optimizations pay for themselves there (69 s without)
+RUNS_A_BACKBONE = {"backbone_memory.py"}
 # scripts that another test runs whole, checking their JSON as test_small_mode_writes_json would
 RUN_ELSEWHERE = {"fc_bytes_per_row.py": "test_gpu_target.py::test_the_fc_path_moves_at_most_8_kb_per_sampled_row"}
 
@@ -53,10 +56,14 @@ def benchmark(name: str):
     return script
 
 
-def script_env() -> dict:
-    """The environment a benchmark script runs in: it sets up its own devices (no XLA_FLAGS), and programs that the
-    tests already compiled for 8 devices come from the run's compilation cache."""
-    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_COMPILATION_CACHE_DIR": COMPILATION_CACHE}
+def script_env(compile_as_tests: bool = False) -> dict:
+    """The environment a benchmark script runs in: it sets up its own devices (XLA_FLAGS without a device count), and
+    programs that the tests already compiled for 8 devices come from the run's compilation cache. With
+    ``compile_as_tests`` its CPU programs compile as the tests' do (no LLVM optimization, XLA:CPU's elemental emitter:
+    faster, and a --small run's timings count for nothing); without, XLA's defaults (programs compiled for a GPU)."""
+    flags = f"{NO_LLVM_OPTIMIZATION} {TEST_XLA_FLAGS}" if compile_as_tests else ""
+    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"XLA_FLAGS": flags,
+                                                                         "JAX_COMPILATION_CACHE_DIR": COMPILATION_CACHE}
 
 
 def test_scripts_import_no_sibling_and_no_script_is_named_like_a_library_module():
@@ -174,7 +181,8 @@ def test_small_mode_writes_json(script, tmp_path):
         pytest.skip(f"{script} needs {NEEDS[script]}: see docs/deploy.md")
     out = tmp_path / "result.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--small", "--out", str(out)],
-                          cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=600)
+                          cwd=ROOT, env=script_env(script not in GPU_TARGET | RUNS_A_BACKBONE), capture_output=True,
+                          text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["environment"]["backend"] and result["rows"]
