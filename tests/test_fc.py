@@ -200,8 +200,9 @@ def test_fused_step_through_the_row_kernels_equals_dense_float64_reference(layou
     check_step_against_reference(head, optimizer, (weight, state, emb, labels, sample and sample.rows, lr), result)
 
 
-def compiled_fc_step(mesh, c, rate, chunk, d=64, n=64, state_dtype=None):
-    head = FCHead(mesh, c, d, MARGINS["arcface"], sgd(state_dtype=state_dtype), sample_rate=rate, chunk_size=chunk)
+def compiled_fc_step(mesh, c, rate, chunk, d=64, n=64, state_dtype=None, dtype=jnp.float32):
+    head = FCHead(mesh, c, d, MARGINS["arcface"], sgd(state_dtype=state_dtype), sample_rate=rate, chunk_size=chunk,
+                  dtype=dtype)
     weight, state = jax.eval_shape(head.init, jax.random.key(0))
     emb = jax.ShapeDtypeStruct((n, d), jnp.float32, sharding=batch_sharding(mesh))
     labels = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=batch_sharding(mesh))
@@ -212,14 +213,19 @@ def compiled_fc_step(mesh, c, rate, chunk, d=64, n=64, state_dtype=None):
     return jax.jit(step, donate_argnums=(0, 1)).lower(weight, state, emb, labels, jax.random.key(0)).compile()
 
 
-@pytest.mark.parametrize("rate, state_dtype", [(1.0, None), (0.25, None), (0.25, jnp.int8)])
-def test_compiled_step_updates_in_place_with_no_class_sized_temporaries_or_collectives(rate, state_dtype):
+@pytest.mark.parametrize("rate, state_dtype, dtype", [(1.0, None, jnp.float32), (0.25, None, jnp.float32),
+                                                      (0.25, jnp.int8, jnp.float32), (0.25, None, jnp.bfloat16)])
+def test_compiled_step_updates_in_place_with_no_class_sized_temporaries_or_collectives(rate, state_dtype, dtype):
+    """A bfloat16 weight moves as raw bits on CPU (``stores_bits``): in place with the tests' elemental emitter, a
+    copy with XLA:CPU's fusion emitters (docs/benchmarks.md, "XLA:CPU and a 16-bit FC weight")."""
     mesh, d, n = make_mesh(2, 4), 64, 64
-    small, large = (compiled_fc_step(mesh, 8 * rows, rate, 512, state_dtype=state_dtype) for rows in (4096, 16384))
+    small, large = (compiled_fc_step(mesh, 8 * rows, rate, 512, state_dtype=state_dtype, dtype=dtype)
+                    for rows in (4096, 16384))
     sizes = [c.largest for c in collectives(large.as_text())]
     assert sizes and max(sizes) <= n * d, f"a collective scales with the classes: {sizes}"
     m_small, m_large = small.memory_analysis(), large.memory_analysis()
-    row_bytes = d * 4 + (d * 4 if state_dtype is None else d + 4)  # float32 weight; momentum (int8: and a scale)
+    weight_row = d * jnp.dtype(dtype).itemsize  # momentum in the weight's dtype, or int8 and a float32 scale
+    row_bytes = weight_row + (weight_row if state_dtype is None else d + 4)
     assert m_large.alias_size_in_bytes >= 16384 * row_bytes, "weight and momentum must be updated in place"
     per_row = (m_large.temp_size_in_bytes - m_small.temp_size_in_bytes) / (16384 - 4096)
     assert per_row < 8, f"temporaries grow by {per_row:.1f} B per class row (a row holds {row_bytes} B)"
