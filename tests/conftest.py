@@ -22,7 +22,7 @@ from jaxcls.startup import simulate_cpu_devices  # noqa: E402  (jaxcls imports j
 # No LLVM optimization: the tests' programs are small and run a few times, so compiling dominates (a quarter less
 # time per compiled train step); and XLA:CPU's elemental emitter in place of its MLIR fusion emitters, which compile
 # each fusion through an MLIR pipeline of their own (the tiny config's train step: 4.7 s to compile with them, 2.7 s
-# without). Subprocesses inherit the XLA_FLAGS set here (benchmark scripts drop them).
+# without). Subprocesses inherit the XLA_FLAGS set here (benchmark scripts get theirs from test_benchmarks.script_env).
 TEST_XLA_FLAGS = "--xla_cpu_use_fusion_emitters=false"
 if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):  # xdist workers inherit the controller's
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
