@@ -17,16 +17,17 @@ import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from jaxcls.startup import simulate_cpu_devices  # noqa: E402  (jaxcls imports jax without the plugin's noise)
+# jaxcls imports jax without the plugin's noise
+from jaxcls.startup import NO_LLVM_OPTIMIZATION, simulate_cpu_devices  # noqa: E402
 
 # No LLVM optimization: the tests' programs are small and run a few times, so compiling dominates (a quarter less
 # time per compiled train step); and XLA:CPU's elemental emitter in place of its MLIR fusion emitters, which compile
 # each fusion through an MLIR pipeline of their own (the tiny config's train step: 4.7 s to compile with them, 2.7 s
 # without). Subprocesses inherit the XLA_FLAGS set here (benchmark scripts get theirs from test_benchmarks.script_env).
-TEST_XLA_FLAGS = "--xla_cpu_use_fusion_emitters=false"
-if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):  # xdist workers inherit the controller's
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
-simulate_cpu_devices(8, optimize=False)
+TEST_COMPILE_FLAGS = (NO_LLVM_OPTIMIZATION, "--xla_cpu_use_fusion_emitters=false")
+_flags = os.environ.get("XLA_FLAGS", "").split()  # xdist workers inherit the controller's
+os.environ["XLA_FLAGS"] = " ".join(_flags + [f for f in TEST_COMPILE_FLAGS if f not in _flags])
+simulate_cpu_devices(8)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

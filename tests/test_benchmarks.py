@@ -12,10 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import COMPILATION_CACHE, TEST_XLA_FLAGS
+from conftest import COMPILATION_CACHE, TEST_COMPILE_FLAGS
 from jaxcls.bench import RowFailed, in_fresh_process
 from jaxcls.config import benchmark_config, validate
-from jaxcls.startup import NO_LLVM_OPTIMIZATION
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = {
@@ -61,7 +60,7 @@ def script_env(compile_as_tests: bool = False) -> dict:
     programs that the tests already compiled for 8 devices come from the run's compilation cache. With
     ``compile_as_tests`` its CPU programs compile as the tests' do (no LLVM optimization, XLA:CPU's elemental emitter:
     faster, and a --small run's timings count for nothing); without, XLA's defaults (programs compiled for a GPU)."""
-    flags = f"{NO_LLVM_OPTIMIZATION} {TEST_XLA_FLAGS}" if compile_as_tests else ""
+    flags = " ".join(TEST_COMPILE_FLAGS) if compile_as_tests else ""
     return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"XLA_FLAGS": flags,
                                                                          "JAX_COMPILATION_CACHE_DIR": COMPILATION_CACHE}
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import COMPILATION_CACHE, TEST_XLA_FLAGS, free_port
+from conftest import COMPILATION_CACHE, TEST_COMPILE_FLAGS, free_port
 from jaxcls.checkpoint import RunCheckpoints
 from jaxcls.mesh import make_mesh
 from jaxcls.fc.optimizers import SparseState
@@ -43,8 +43,8 @@ def launch(num_processes: int, args: list[str], logs: Path, module: bool = True)
     for i in range(num_processes):
         # no LLVM optimization: every process compiles its programs, and these tiny ones run a few steps
         env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=COMPILATION_CACHE, JAX_PLATFORMS="cpu",
-                   XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // num_processes} "
-                             f"--xla_backend_optimization_level=0 {TEST_XLA_FLAGS}")
+                   XLA_FLAGS=" ".join([f"--xla_force_host_platform_device_count={8 // num_processes}",
+                                       *TEST_COMPILE_FLAGS]))
         launch_flags = ["--distributed", f"--coordinator_address=127.0.0.1:{port}",
                         f"--num_processes={num_processes}", f"--process_id={i}", f"--heartbeat_timeout={HEARTBEAT}"]
         if not module:  # the worker script takes the launch settings as positional arguments

@@ -8,7 +8,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from conftest import TEST_XLA_FLAGS
+from conftest import TEST_COMPILE_FLAGS
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
@@ -25,8 +25,8 @@ def execute(name: str, cwd: Path) -> str:
 def test_quickstart_runs(tmp_path, monkeypatch):
     # the kernel trains for a while: LLVM optimization pays for itself there (conftest turns it off for the tests),
     # and with it on, XLA:CPU's fusion emitters compile faster than the elemental one (conftest's choice without it)
-    flags = os.environ["XLA_FLAGS"].replace("--xla_backend_optimization_level=0", "").replace(TEST_XLA_FLAGS, "")
-    monkeypatch.setenv("XLA_FLAGS", flags)
+    flags = [f for f in os.environ["XLA_FLAGS"].split() if f not in TEST_COMPILE_FLAGS]
+    monkeypatch.setenv("XLA_FLAGS", " ".join(flags))
     outputs = execute("quickstart.ipynb", tmp_path)
     assert "dense loss" in outputs and "accuracy" in outputs
 
