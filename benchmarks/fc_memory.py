@@ -12,8 +12,9 @@ Only compiled (``memory_analysis()``), never run, so large C can be examined on 
     python benchmarks/fc_memory.py                 # C up to 40M on one device, D=512, N=128
     python benchmarks/fc_memory.py --devices 8     # the same split over 8 (simulated CPU) devices
     python benchmarks/fc_memory.py --small         # seconds; what the test suite runs
-    python benchmarks/fc_memory.py --devices 8 --classes 8388608 16777216 --emitters on off
-                                                   # XLA:CPU's fusion emitters (its default) against its elemental one
+    python benchmarks/fc_memory.py --devices 8 --classes 8388608 16777216 --emitters on off jaxcls
+                                                   # XLA:CPU's fusion emitters (its default), its elemental emitter,
+                                                   # and what the trainer compiles with (FCHead.compiler_options)
 
 bytes/class = (arguments + outputs − donated aliases + temporaries) × devices / C.
 """
@@ -49,7 +50,13 @@ def autodiff_step(head, weight, fc_state, emb, labels, sample, lr):
 ROUTES = {"fused": lambda head, *args: head.step(*args), "autodiff": autodiff_step}
 
 
-def fc_step_memory(mesh, c, n, d, rate, dtype, chunk_size, route, emitters=True):
+# XLA:CPU's emitter: jaxlib's default (its fusion emitters), its elemental emitter, or the FC head's choice, as
+# ``Run.compile_step`` makes it (the elemental emitter where rows move as bits: ``FCHead.compiler_options``)
+EMITTERS = {"on": lambda head: None, "off": lambda head: {"xla_cpu_use_fusion_emitters": False},
+            "jaxcls": lambda head: head.compiler_options or None}
+
+
+def fc_step_memory(mesh, c, n, d, rate, dtype, chunk_size, route, emitters="jaxcls"):
     head = FCHead(mesh, c, d, arcface(), sgd(), sample_rate=rate, chunk_size=chunk_size, dtype=dtype)
 
     def step(weight, fc_state, emb, labels, key):
@@ -62,13 +69,13 @@ def fc_step_memory(mesh, c, n, d, rate, dtype, chunk_size, route, emitters=True)
     compute = jnp.float32 if dtype == jnp.float32 else jnp.bfloat16
     emb = jax.ShapeDtypeStruct((n, d), compute, sharding=batch_sharding(mesh))
     labels = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=batch_sharding(mesh))
-    options = None if emitters else {"xla_cpu_use_fusion_emitters": False}  # the tests' setting (tests/conftest.py)
+    options = EMITTERS[emitters](head)
     compiled = jax.jit(step, donate_argnums=(0, 1)).lower(w_abs, state_abs, emb, labels,
                                                           jax.random.key(0)).compile(options)
     m = compiled.memory_analysis()
     total = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
     return {"route": route, "C": c, "sample_rate": rate, "dtype": jnp.dtype(dtype).name, "chunk": chunk_size, "N": n,
-            "D": d, "devices": mesh.size, "fusion_emitters": emitters, "argument_bytes": int(m.argument_size_in_bytes),
+            "D": d, "devices": mesh.size, "emitters": emitters, "argument_bytes": int(m.argument_size_in_bytes),
             "temp_bytes": int(m.temp_size_in_bytes),
             "alias_bytes": int(m.alias_size_in_bytes), "total_bytes_per_device": int(total),
             "GiB_per_device": total / 2**30, "bytes_per_class": total * mesh.size / c}
@@ -81,8 +88,9 @@ def main():
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--classes", type=int, nargs="+", help="class counts (default: 1M, 8M, 30M, 40M)")
-    parser.add_argument("--emitters", nargs="+", choices=["on", "off"], default=["on"],
-                        help="XLA:CPU's fusion emitters (on: its default) or its elemental emitter (off)")
+    parser.add_argument("--emitters", nargs="+", choices=list(EMITTERS), default=["jaxcls"],
+                        help="XLA:CPU's fusion emitters (on: its default), its elemental emitter (off, as the tests "
+                             "compile), or the FC head's choice (jaxcls: off where rows move as bits, else on)")
     parser.add_argument("--out", default="benchmarks/results/fc_memory.json")
     args = parser.parse_args()
     if args.devices or args.small:
@@ -102,9 +110,9 @@ def main():
                 if chunk is not None and chunk >= rate * c_local:
                     chunk = max(1, int(rate * c_local) // 4)
                 for route in ROUTES:
-                    rows += [fc_step_memory(mesh, c, n, d, rate, dtype, chunk, route, emitters == "on")
+                    rows += [fc_step_memory(mesh, c, n, d, rate, dtype, chunk, route, emitters)
                              for emitters in args.emitters]
-    print_table(rows, ["route", "C", "devices", "sample_rate", "dtype", "chunk", "fusion_emitters", "GiB_per_device",
+    print_table(rows, ["route", "C", "devices", "sample_rate", "dtype", "chunk", "emitters", "GiB_per_device",
                        "temp_bytes", "bytes_per_class"])
     write_json(args.out, rows)
 

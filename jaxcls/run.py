@@ -64,12 +64,15 @@ class Run:
 
     def compile_step(self, state, compiler_options: dict | None = None):
         """``jit_step`` compiled ahead of time for ``state`` (as initialized, restored or abstract) and one global
-        batch of uint8 images ``[B, S, S, 3]`` and int32 labels ``[B]`` in the batch sharding."""
+        batch of uint8 images ``[B, S, S, 3]`` and int32 labels ``[B]`` in the batch sharding, with
+        ``compiler_options`` and over them the options the FC step needs to update in place
+        (``FCHead.compiler_options``)."""
         c, sharding = self.config, batch_sharding(self.mesh)
         images = jax.ShapeDtypeStruct((c.batch_size, c.data.input_size, c.data.input_size, 3), jnp.uint8,
                                       sharding=sharding)
         labels = jax.ShapeDtypeStruct((c.batch_size,), jnp.int32, sharding=sharding)
-        return self.jit_step().lower(state, images, labels).compile(compiler_options)
+        options = {**(compiler_options or {}), **self.train_step.head.compiler_options}
+        return self.jit_step().lower(state, images, labels).compile(options or None)
 
     def batches(self, bad_records_log=None) -> HostBatches:
         """The checkpointable iterator of this host's rows of every global training batch; labels are checked against

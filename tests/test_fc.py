@@ -129,8 +129,22 @@ def test_bad_label_under_jit_gives_nan_and_leaves_the_fc_untouched(rng):
         head.step(weight, state, emb, jax.device_put(bad, labels.sharding), sample, 0.1)
 
 
-# where 16- and 8-bit float rows are stored as themselves (GPUs) and where as raw bits (CPUs: jaxcls.fc.head)
+# where bfloat16 and 8-bit float rows move as themselves (GPUs) and where as raw bits (CPUs: fc_head.stored_as_bits)
 STORAGE = pytest.mark.parametrize("as_bits", [False, True], ids=["as floats (GPU)", "as bits (CPU)"])
+
+
+@pytest.mark.parametrize("dtype, state_dtype, as_bits", [
+    (jnp.float32, None, ()), (jnp.float16, jnp.int8, ()), (jnp.bfloat16, None, (0, 1)), (jnp.float16, None, ()),
+    (jnp.float32, jnp.bfloat16, (1,)), (jnp.bfloat16, jnp.int8, (0,)), (jnp.float32, jnp.float8_e4m3fn, (1,))], ids=str)
+def test_rows_move_as_bits_on_cpu_where_xla_cannot_scatter_them_and_the_head_asks_for_the_elemental_emitter(
+        dtype, state_dtype, as_bits, monkeypatch):
+    head = FCHead(make_mesh(2, 4), 64, 8, MARGINS["arcface"], sgd(state_dtype=state_dtype), dtype=dtype)
+    arrays = jax.eval_shape(head.init, jax.random.key(0))
+    arrays = [arrays[0], arrays[1].slots[0]]  # the weight and its momentum (an int8 one's scales are float32)
+    assert [i for i, a in enumerate(arrays) if fc_head.stored_as_bits(head.mesh, a.dtype)] == list(as_bits)
+    assert head.compiler_options == ({"xla_cpu_use_fusion_emitters": False} if as_bits else {})
+    monkeypatch.setattr(fc_head, "stores_bits", lambda mesh: False)  # a GPU's mesh
+    assert head.compiler_options == {} and not any(fc_head.stored_as_bits(head.mesh, a.dtype) for a in arrays)
 
 
 @pytest.mark.slow
@@ -210,14 +224,18 @@ def compiled_fc_step(mesh, c, rate, chunk, d=64, n=64, state_dtype=None, dtype=j
     def step(weight, state, emb, labels, key):
         return head.step(weight, state, emb, labels, head.sample(key, labels), 0.1)
 
-    return jax.jit(step, donate_argnums=(0, 1)).lower(weight, state, emb, labels, jax.random.key(0)).compile()
+    # XLA:CPU's fusion emitters, a user's default (conftest compiles with its elemental emitter), and the head's options
+    options = {"xla_cpu_use_fusion_emitters": True, **head.compiler_options}
+    return jax.jit(step, donate_argnums=(0, 1)).lower(weight, state, emb, labels, jax.random.key(0)).compile(options)
 
 
 @pytest.mark.parametrize("rate, state_dtype, dtype", [(1.0, None, jnp.float32), (0.25, None, jnp.float32),
-                                                      (0.25, jnp.int8, jnp.float32), (0.25, None, jnp.bfloat16)])
+                                                      (0.25, jnp.int8, jnp.float32), (0.25, None, jnp.bfloat16),
+                                                      (0.25, jnp.int8, jnp.bfloat16), (0.25, None, jnp.float16)])
 def test_compiled_step_updates_in_place_with_no_class_sized_temporaries_or_collectives(rate, state_dtype, dtype):
-    """A bfloat16 weight moves as raw bits on CPU (``stores_bits``): in place with the tests' elemental emitter, a
-    copy with XLA:CPU's fusion emitters (docs/benchmarks.md, "XLA:CPU and a 16-bit FC weight")."""
+    """As a user compiles it, with ``head.compiler_options``: a bfloat16 weight moves as raw bits on CPU
+    (``stored_as_bits``), in place only with XLA:CPU's elemental emitter, which those options ask for; float16 XLA:CPU
+    scatters in place (docs/benchmarks.md, "XLA:CPU and a 16-bit FC weight")."""
     mesh, d, n = make_mesh(2, 4), 64, 64
     small, large = (compiled_fc_step(mesh, 8 * rows, rate, 512, state_dtype=state_dtype, dtype=dtype)
                     for rows in (4096, 16384))

@@ -64,6 +64,19 @@ class FCHead:
             raise ValueError(f"chunk_size must be positive, got {self.chunk_size}")
 
     @property
+    def compiler_options(self) -> dict:
+        """XLA options ``step`` needs on this mesh to update the weight and state in place: pass them to ``.compile()``
+        or ``jax.jit(..., compiler_options=)`` where you compile a step yourself (``Run.compile_step`` does).
+
+        On CPU, rows of a dtype XLA:CPU cannot scatter in place move as raw bits (``stored_as_bits``); XLA:CPU's
+        fusion emitters (its default) write the whole-shard bitcasts at the step's two ends as copies, its elemental
+        emitter makes them free."""
+        dtypes = (self.dtype, self.optimizer.state_dtype or self.dtype)
+        if any(stored_as_bits(self.mesh, d) for d in dtypes):
+            return {"xla_cpu_use_fusion_emitters": False}
+        return {}
+
+    @property
     def rows(self) -> int:
         return layout.padded_num_classes(self.num_classes, layout.class_shards(self.mesh, self.class_axes))
 
@@ -132,8 +145,7 @@ def _step_shard(emb, labels, weight, slots, row_classes, lr, count, keep_update,
         # dynamic-update-slice made it copy the whole array)
         return classes - shard_first, tiles.tile_columns(targets, classes < head.num_classes, first, owned)
 
-    # On CPU 16- and 8-bit float rows move as raw bits: XLA:CPU cannot scatter into a bfloat16/float16 array in
-    # place and would convert the whole array to float32 (and back) on every tile. GPUs scatter 16-bit floats natively.
+    # On CPU bfloat16 and 8-bit float rows move as raw bits (``stored_as_bits``)
     dtypes = (weight.dtype, *(s.dtype for s in slots))
     as_bits = stores_bits(head.mesh)
     if as_bits:
@@ -173,8 +185,22 @@ def _step_shard(emb, labels, weight, slots, row_classes, lr, count, keep_update,
 
 
 def stores_bits(mesh: Mesh) -> bool:
-    """Whether the step keeps 16- and 8-bit float rows as raw bits (on CPU: see ``_step_shard``)."""
+    """Whether the step moves some dtypes' rows as raw bits on ``mesh`` (``stored_as_bits``): on CPU."""
     return layout.on_cpu(mesh)
+
+
+def stored_as_bits(mesh: Mesh, dtype) -> bool:
+    """Whether ``FCHead.step`` moves rows of ``dtype`` as raw bits on ``mesh``: on CPU, the floats under 4 bytes but
+    float16. XLA:CPU scatters into float32, float16 and integer arrays in place, into bfloat16 and 8-bit floats only by
+    converting the whole array to float32 and back; GPUs scatter every one of them natively."""
+    return stores_bits(mesh) and _bits_dtype(dtype) is not None
+
+
+def _bits_dtype(dtype):
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4 and dtype != jnp.float16:
+        return {1: jnp.uint8, 2: jnp.uint16}[dtype.itemsize]
+    return None
 
 
 def optimizer_rule(optimizer: SparseOptimizer, dtypes: tuple | None = None):
@@ -194,10 +220,9 @@ def optimizer_rule(optimizer: SparseOptimizer, dtypes: tuple | None = None):
 
 
 def _to_bits(x):
-    """16- and 8-bit floats as unsigned integers of their size (a free bitcast), others as they are."""
-    if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4:
-        return lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16}[x.dtype.itemsize])
-    return x
+    """Rows that move as bits (``stored_as_bits``) as unsigned integers of their size (a bitcast), others as are."""
+    bits = _bits_dtype(x.dtype)
+    return x if bits is None else lax.bitcast_convert_type(x, bits)
 
 
 def _from_bits(x, dtype):
