@@ -109,8 +109,7 @@ def varying_like(x, shape=None, dtype=None) -> jax.ShapeDtypeStruct:
 
 
 def on_cpu(mesh: Mesh) -> bool:
-    """Whether ``mesh``'s devices are CPUs: XLA:CPU cannot scatter into a 16-bit float array in place (it converts the
-    whole array), which the FC step and the chunked loss work around there."""
+    """Whether ``mesh``'s devices are CPUs (where some dtypes need ``precision.cpu_scatter_converts``' workaround)."""
     return mesh.devices.flat[0].platform == "cpu"
 
 

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jaxcls.registry import lookup
 
@@ -22,6 +23,30 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 # fc.optimizers.encode also takes float8_e4m3fn, which the trainer does not offer: int8 is the one checked by
 # training, docs/partial_fc.md)
 FC_STATE_DTYPES = {"same": None, **DTYPES, "int8": jnp.int8}
+
+
+def cpu_scatter_converts(dtype) -> bool:
+    """Whether XLA:CPU writes rows into a ``dtype`` array (a scatter) only by converting the whole array to float32 and
+    back: bfloat16 and the 8-bit floats. Float32, float16 and integer arrays it updates in place, as GPUs do every
+    dtype. On CPUs the FC step and the chunked loss move such rows as their bits (``as_bits``)."""
+    dtype = jnp.dtype(dtype)
+    return bool(jnp.issubdtype(dtype, jnp.floating)) and dtype.itemsize < 4 and dtype != jnp.float16
+
+
+def bits_dtype(dtype):
+    """The unsigned integer of ``dtype``'s size where ``cpu_scatter_converts(dtype)``, else ``dtype`` itself."""
+    dtype = jnp.dtype(dtype)
+    return jnp.dtype({1: jnp.uint8, 2: jnp.uint16}[dtype.itemsize]) if cpu_scatter_converts(dtype) else dtype
+
+
+def as_bits(x: jax.Array) -> jax.Array:
+    """``x`` as ``bits_dtype(x.dtype)``: its bits where XLA:CPU cannot scatter into its dtype in place."""
+    return bitcast(x, bits_dtype(x.dtype))
+
+
+def bitcast(x: jax.Array, dtype) -> jax.Array:
+    """``x`` as ``dtype`` of its size, bit for bit (nothing where it already is one)."""
+    return x if x.dtype == dtype else lax.bitcast_convert_type(x, dtype)
 
 
 def compute_dtype(name: str):

@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxcls.precision import DynamicLossScale, all_finite, compute_dtype, select_tree
+from jaxcls.precision import (DynamicLossScale, all_finite, as_bits, bitcast, bits_dtype, compute_dtype,
+                              select_tree)
 
 
 def test_dtype_names():
@@ -49,3 +50,15 @@ class TestLossScale:
         np.testing.assert_array_equal(g["w"], [1.0, 2.0])
         off = DynamicLossScale(enabled=False)
         assert float(off.scale_loss(3.0, off.init())) == 3.0
+
+
+@pytest.mark.parametrize("dtype, bits", [(jnp.bfloat16, jnp.uint16), (jnp.float8_e4m3fn, jnp.uint8),
+                                         (jnp.float16, jnp.float16), (jnp.float32, jnp.float32), (jnp.int8, jnp.int8)],
+                         ids=str)
+def test_rows_xla_cpu_cannot_scatter_in_place_move_as_their_bits_and_back_bit_for_bit(dtype, bits, rng):
+    x = jnp.asarray(rng.normal(size=(5, 7)) * 100).astype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating):
+        x = x.at[0, :3].set(jnp.array([jnp.nan, jnp.inf, -0.0], dtype))
+    assert bits_dtype(dtype) == bits and as_bits(x).dtype == bits
+    back = bitcast(as_bits(x), dtype)
+    assert back.dtype == dtype and np.array_equal(np.asarray(back).view(np.uint8), np.asarray(x).view(np.uint8))

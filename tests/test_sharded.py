@@ -137,6 +137,26 @@ def test_no_collective_scales_with_classes(chunk_size):
     assert max(c.largest for c in found) <= n * d < n * c_local, found
 
 
+@pytest.mark.parametrize("dtype, bound", [(jnp.float32, 8), (jnp.float16, 8), (jnp.bfloat16, 4 * 64 + 8)], ids=str)
+def test_chunked_gradient_is_filled_in_place_on_cpu(dtype, bound):
+    """The weight's gradient is written tile by tile into one array of the weight's dtype (XLA:CPU scatters float16 in
+    place; bfloat16 rows move as their bits, ``precision.bits_dtype``): the temporaries grow by no gradient-sized array
+    per class row. For bfloat16 one float32 copy of the weight remains (4 B an entry: XLA:CPU hoists the rows'
+    conversion out of the tile loops); before, a float32 gradient made it two, 513 B a row here."""
+    mesh, n, d = make_mesh(2, 4), 64, 64
+    temporaries = []
+    for c in (8 * 4096, 8 * 16384):
+        spec = dict(margin=arcface(), mesh=mesh, num_classes=c, chunk_size=1024)
+        grad_fn = jax.jit(jax.grad(lambda e, w, y: sharded_margin_loss(e, w, y, **spec), argnums=(0, 1)))
+        args = (jax.ShapeDtypeStruct((n, d), dtype, sharding=batch_sharding(mesh)),
+                jax.ShapeDtypeStruct((c, d), dtype, sharding=weight_sharding(mesh)),
+                jax.ShapeDtypeStruct((n,), jnp.int32, sharding=batch_sharding(mesh)))
+        temporaries.append(grad_fn.lower(*args).compile().memory_analysis().temp_size_in_bytes)
+    per_row = (temporaries[1] - temporaries[0]) / (16384 - 4096)
+    row = d * jnp.dtype(dtype).itemsize
+    assert per_row < bound, f"temporaries grow by {per_row:.0f} B a class row (the gradient's row: {row} B)"
+
+
 def test_sgd_lowers_loss_on_separable_problem(rng):
     mesh = make_mesh(2, 4)
     c, d, n = 20, 16, 64

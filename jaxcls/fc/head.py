@@ -35,6 +35,7 @@ from jaxcls.losses import tiles
 from jaxcls.losses.cross_entropy import combine_stats
 from jaxcls.losses.margins import CombinedMargin
 from jaxcls.losses.sharded import init_weight
+from jaxcls.precision import as_bits, bitcast, cpu_scatter_converts
 
 DEFAULT_CHUNK = 65_536  # rows per tile: temporaries O(N·T + T·D), large enough to keep a GPU's matmuls busy
 
@@ -147,14 +148,14 @@ def _step_shard(emb, labels, weight, slots, row_classes, lr, count, keep_update,
 
     # On CPU bfloat16 and 8-bit float rows move as raw bits (``stored_as_bits``)
     dtypes = (weight.dtype, *(s.dtype for s in slots))
-    as_bits = stores_bits(head.mesh)
-    if as_bits:
-        weight, *slots = map(_to_bits, (weight, *slots))
+    bits = stores_bits(head.mesh)
+    if bits:
+        weight, *slots = map(as_bits, (weight, *slots))
 
     def stats_at(i):
         index, where = locate(i)
         return tile_statistics_by_index(weight, index, where, e_n, head.margin,
-                                        lambda: _from_bits(weight[index], dtypes[0]))
+                                        lambda: bitcast(weight[index], dtypes[0]))
 
     n_tiles = tiles.num_tiles(num_rows, tile)
     lse, losses = combine_stats(*tiles.online_stats(e_n, n_tiles, stats_at), class_axes)
@@ -165,7 +166,7 @@ def _step_shard(emb, labels, weight, slots, row_classes, lr, count, keep_update,
     keep_update = keep_update & (lax.pmin(finite.astype(jnp.int32), head.mesh.axis_names) > 0)
     count = count + keep_update.astype(count.dtype) if with_update else count  # the optimizer's step number
 
-    rule = optimizer_rule(head.optimizer, dtypes if as_bits else None)
+    rule = optimizer_rule(head.optimizer, dtypes if bits else None)
 
     def backward(carry, i):
         d_e, arrays = carry
@@ -173,14 +174,14 @@ def _step_shard(emb, labels, weight, slots, row_classes, lr, count, keep_update,
         # rows the tile does not own (overlap with the previous tile) or padding stay as they are
         update = (keep_update & where.kept, rule, lr, count, shard_first) if with_update else ()
         d_e_tile, arrays = tile_backward(arrays, index, where, e_n, lse, g, head.margin,
-                                         lambda: _from_bits(arrays[0][index], dtypes[0]), *update)
+                                         lambda: bitcast(arrays[0][index], dtypes[0]), *update)
         return (d_e + d_e_tile, arrays), None
 
     (d_e, (weight, *slots)), _ = lax.scan(backward, (jnp.zeros_like(e_n32), (weight, *slots)), jnp.arange(n_tiles))
     total = jnp.sum(losses)
     if layout.data_axes(class_axes):
         total = lax.psum(total, layout.data_axes(class_axes))
-    weight, *slots = (_from_bits(a, t) for a, t in zip((weight, *slots), dtypes))
+    weight, *slots = (bitcast(a, t) for a, t in zip((weight, *slots), dtypes))
     return total / global_batch, pull(d_e)[0], weight, tuple(slots), count
 
 
@@ -190,17 +191,9 @@ def stores_bits(mesh: Mesh) -> bool:
 
 
 def stored_as_bits(mesh: Mesh, dtype) -> bool:
-    """Whether ``FCHead.step`` moves rows of ``dtype`` as raw bits on ``mesh``: on CPU, the floats under 4 bytes but
-    float16. XLA:CPU scatters into float32, float16 and integer arrays in place, into bfloat16 and 8-bit floats only by
-    converting the whole array to float32 and back; GPUs scatter every one of them natively."""
-    return stores_bits(mesh) and _bits_dtype(dtype) is not None
-
-
-def _bits_dtype(dtype):
-    dtype = jnp.dtype(dtype)
-    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4 and dtype != jnp.float16:
-        return {1: jnp.uint8, 2: jnp.uint16}[dtype.itemsize]
-    return None
+    """Whether ``FCHead.step`` moves rows of ``dtype`` as raw bits on ``mesh``: on CPU, those of the dtypes XLA:CPU
+    scatters into only by converting the whole array (``precision.cpu_scatter_converts``: bfloat16, 8-bit floats)."""
+    return stores_bits(mesh) and cpu_scatter_converts(dtype)
 
 
 def optimizer_rule(optimizer: SparseOptimizer, dtypes: tuple | None = None):
@@ -211,20 +204,11 @@ def optimizer_rule(optimizer: SparseOptimizer, dtypes: tuple | None = None):
     the autodiff route rounds it."""
 
     def rule(rows, row_grad, index, lr, count, shard_first):
-        weight, *slots = rows if dtypes is None else (_from_bits(r, t) for r, t in zip(rows, dtypes))
+        weight, *slots = rows if dtypes is None else (bitcast(r, t) for r, t in zip(rows, dtypes))
         grads = tiles.row_gradient(weight, *row_grad).astype(weight.dtype)
         new_weight, new_slots = optimizer.apply_rows(weight, slots, grads, lr, count, index + shard_first)
-        return (new_weight, *new_slots) if dtypes is None else tuple(map(_to_bits, (new_weight, *new_slots)))
+        return (new_weight, *new_slots) if dtypes is None else tuple(map(as_bits, (new_weight, *new_slots)))
 
     return rule
 
-
-def _to_bits(x):
-    """Rows that move as bits (``stored_as_bits``) as unsigned integers of their size (a bitcast), others as are."""
-    bits = _bits_dtype(x.dtype)
-    return x if bits is None else lax.bitcast_convert_type(x, bits)
-
-
-def _from_bits(x, dtype):
-    return x if x.dtype == dtype else lax.bitcast_convert_type(x, dtype)
 

@@ -38,6 +38,7 @@ from jaxcls.mesh import (
     weight_sharding,
     weight_spec,
 )
+from jaxcls.precision import bitcast, bits_dtype
 
 
 def init_weight(key, num_classes: int, dim: int, mesh: Mesh, class_axes=DEFAULT_CLASS_AXES,
@@ -93,7 +94,8 @@ def sharded_margin_loss(embeddings: jax.Array, weight: jax.Array, labels: jax.Ar
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     if row_classes is None:
         row_classes = tiles.full_row_classes(weight.shape[0], mesh, class_axes)
-    grad_dtype = jnp.dtype(jnp.float32 if on_cpu(mesh) else weight.dtype)  # see on_cpu
+    # the weight's gradient is filled tile by tile: on CPU as raw bits where XLA:CPU cannot scatter the dtype in place
+    grad_dtype = bits_dtype(weight.dtype) if on_cpu(mesh) else jnp.dtype(weight.dtype)
     per_shard = partial(_per_shard_loss, margin=margin, class_axes=class_axes, num_classes=num_classes,
                         chunk_size=chunk_size, global_batch=embeddings.shape[0], grad_dtype=grad_dtype)
     loss = jax.shard_map(per_shard, mesh=mesh,
@@ -136,7 +138,7 @@ def _tile(weight, targets, row_valid, i, chunk_size):
 def _chunked_cross_entropy(e_n, weight, targets, row_valid, margin, axis_name, chunk_size, grad_dtype):
     """Per-example losses ``[N]`` like the unchunked path, holding one ``[N, chunk]`` tile at a time (on a CUDA GPU
     in the kernels of ``jaxcls.losses.rows_stats`` and ``rows_backward``, which keep it on chip). The weight's
-    gradient is written in ``grad_dtype``, then converted to the weight's."""
+    gradient is written in ``grad_dtype``: the weight's, or on CPU its bits (``precision.bits_dtype``)."""
     return _chunked_forward(e_n, weight, targets, row_valid, margin, axis_name, chunk_size, grad_dtype)[0]
 
 
@@ -165,13 +167,13 @@ def _chunked_backward(margin, axis_name, chunk_size, grad_dtype, residuals, g):
 
     init = (jnp.zeros_like(e_n, jnp.float32), jnp.zeros_like(weight, grad_dtype))
     (d_e, d_w), _ = lax.scan(step, init, jnp.arange(tiles.num_tiles(weight.shape[0], chunk_size)))
-    return d_e.astype(e_n.dtype), d_w.astype(weight.dtype), None, None
+    return d_e.astype(e_n.dtype), bitcast(d_w, weight.dtype), None, None
 
 
 def _write_gradient(rows, row_grad, index):
-    """``rows_backward``'s rule that writes the rows' gradient (``rows``: the weight's and the gradient's)."""
+    """``rows_backward``'s rule that writes the rows' gradient (``rows``: the weight's and the gradient's as stored)."""
     weight, d_w = rows
-    return (tiles.row_gradient(weight, *row_grad).astype(d_w.dtype),)
+    return (bitcast(tiles.row_gradient(weight, *row_grad).astype(weight.dtype), d_w.dtype),)
 
 
 _chunked_cross_entropy.defvjp(_chunked_forward, _chunked_backward)
