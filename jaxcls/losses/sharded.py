@@ -125,13 +125,13 @@ def _per_shard_loss(embeddings, weight, labels, row_classes, *, margin, class_ax
     return total / global_batch
 
 
-def _tile(weight, targets, row_valid, i, chunk_size):
+def _tile(weight, targets, row_valid, i, chunk_size, dtype):
     """Tile ``i`` of a contiguous weight block: ``(its rows' local indices [T], where its columns stand, its rows as
-    stored: a function)``."""
+    ``dtype``: a function)``."""
     first, owned = tiles.tile_starts(weight.shape[0], chunk_size, i)
     where = tiles.tile_columns(targets, lax.dynamic_slice_in_dim(row_valid, first, chunk_size), first, owned)
-    return first + jnp.arange(chunk_size, dtype=jnp.int32), where, lambda: lax.dynamic_slice_in_dim(weight, first,
-                                                                                                   chunk_size)
+    return (first + jnp.arange(chunk_size, dtype=jnp.int32), where,
+            lambda: bitcast(lax.dynamic_slice_in_dim(weight, first, chunk_size), dtype))
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
@@ -144,10 +144,11 @@ def _chunked_cross_entropy(e_n, weight, targets, row_valid, margin, axis_name, c
 
 def _chunked_forward(e_n, weight, targets, row_valid, margin, axis_name, chunk_size, grad_dtype):
     n_tiles = tiles.num_tiles(weight.shape[0], chunk_size)
+    stored = bitcast(weight, grad_dtype)
 
     def stats_at(i):
-        index, where, rows = _tile(weight, targets, row_valid, i, chunk_size)
-        return rows_stats.tile_statistics_by_index(weight, index, where, e_n, margin, rows)
+        index, where, rows = _tile(stored, targets, row_valid, i, chunk_size, weight.dtype)
+        return rows_stats.tile_statistics_by_index(stored, index, where, e_n, margin, rows)
 
     stats = tiles.online_stats(e_n, n_tiles, stats_at)
     lse, loss = combine_stats(*stats, axis_name)
@@ -157,12 +158,14 @@ def _chunked_forward(e_n, weight, targets, row_valid, margin, axis_name, chunk_s
 def _chunked_backward(margin, axis_name, chunk_size, grad_dtype, residuals, g):
     """Each row's gradient is written once, by the tile that owns it, in the weight's dtype."""
     e_n, weight, targets, row_valid, lse = residuals
+    stored = bitcast(weight, grad_dtype)
+    write = partial(_write_gradient, dtype=weight.dtype)
 
     def step(carry, i):
         d_e, d_w = carry
-        index, where, rows = _tile(weight, targets, row_valid, i, chunk_size)
-        d_e_tile, (_, d_w) = rows_backward.tile_backward((weight, d_w), index, where, e_n, lse, g, margin, rows,
-                                                         where.kept, _write_gradient, reads=1)
+        index, where, rows = _tile(stored, targets, row_valid, i, chunk_size, weight.dtype)
+        d_e_tile, (_, d_w) = rows_backward.tile_backward((stored, d_w), index, where, e_n, lse, g, margin, rows,
+                                                         where.kept, write, reads=1)
         return (d_e + d_e_tile, d_w), None
 
     init = (jnp.zeros_like(e_n, jnp.float32), jnp.zeros_like(weight, grad_dtype))
@@ -170,10 +173,11 @@ def _chunked_backward(margin, axis_name, chunk_size, grad_dtype, residuals, g):
     return d_e.astype(e_n.dtype), bitcast(d_w, weight.dtype), None, None
 
 
-def _write_gradient(rows, row_grad, index):
-    """``rows_backward``'s rule that writes the rows' gradient (``rows``: the weight's and the gradient's as stored)."""
-    weight, d_w = rows
-    return (bitcast(tiles.row_gradient(weight, *row_grad).astype(weight.dtype), d_w.dtype),)
+def _write_gradient(rows, row_grad, index, *, dtype):
+    """``rows_backward``'s rule that writes the rows' gradient (``rows``: the weight's and the gradient's as stored,
+    ``dtype`` the weight's)."""
+    weight = bitcast(rows[0], dtype)
+    return (bitcast(tiles.row_gradient(weight, *row_grad).astype(dtype), rows[1].dtype),)
 
 
 _chunked_cross_entropy.defvjp(_chunked_forward, _chunked_backward)
