@@ -15,6 +15,7 @@ from jaxcls.fc import head as fc_head
 from jaxcls.losses import rows_backward, rows_stats, sharded_margin_loss
 from jaxcls.fc.sampling import gather_rows
 from jaxcls.fc.optimizers import SparseState, adamw, decode, encode, sgd
+from jaxcls.precision import cpu_scatter_converts
 from problems import global_rows
 from reference import MARGINS, adamw_step, rel_err, sgd_step, value_and_grads
 
@@ -129,8 +130,16 @@ def test_bad_label_under_jit_gives_nan_and_leaves_the_fc_untouched(rng):
         head.step(weight, state, emb, jax.device_put(bad, labels.sharding), sample, 0.1)
 
 
-# where bfloat16 and 8-bit float rows move as themselves (GPUs) and where as raw bits (CPUs: fc_head.stored_as_bits)
-STORAGE = pytest.mark.parametrize("as_bits", [False, True], ids=["as floats (GPU)", "as bits (CPU)"])
+def storages(*cases):
+    """``cases`` (each a tuple led by a dtype), each with ``as_bits``: bfloat16 and 8-bit float rows move as
+    themselves on GPUs and as raw bits on CPUs (``fc_head.stored_as_bits``), so they take both; other dtypes move as
+    themselves everywhere, so they take one."""
+    def case_id(case, bits):
+        storage = "as bits (CPU)" if bits else "as floats (GPU)" if cpu_scatter_converts(case[0]) else "as stored"
+        return "-".join([jnp.dtype(case[0]).name, *map(str, case[1:]), storage])
+
+    return [pytest.param(*case, bits, id=case_id(case, bits))
+            for case in cases for bits in ((False, True) if cpu_scatter_converts(case[0]) else (False,))]
 
 
 @pytest.mark.parametrize("dtype, state_dtype, as_bits", [
@@ -148,9 +157,8 @@ def test_rows_move_as_bits_on_cpu_where_xla_cannot_scatter_them_and_the_head_ask
 
 
 @pytest.mark.slow
-@STORAGE
-@pytest.mark.parametrize("dtype,rounding", [(jnp.bfloat16, "nearest"), (jnp.float16, "nearest"),
-                                            (jnp.bfloat16, "stochastic")], ids=str)
+@pytest.mark.parametrize("dtype, rounding, as_bits", storages((jnp.bfloat16, "nearest"), (jnp.float16, "nearest"),
+                                                               (jnp.bfloat16, "stochastic")))
 def test_compact_storage_matches_the_autodiff_route(dtype, rounding, as_bits, rng, monkeypatch):
     """One rounding each way; stochastic rounding draws the same bits in both (each row's class, the step)."""
     monkeypatch.setattr(fc_head, "stores_bits", lambda mesh: as_bits)
@@ -169,8 +177,7 @@ def test_compact_storage_matches_the_autodiff_route(dtype, rounding, as_bits, rn
     assert np.mean(np.asarray(new_w)[rows] == np.asarray(ref_w)[rows]) > 0.99
 
 
-@STORAGE
-@pytest.mark.parametrize("state_dtype", [jnp.int8, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("state_dtype, as_bits", storages((jnp.int8,), (jnp.float8_e4m3fn,)))
 def test_one_byte_state_matches_the_autodiff_route(state_dtype, as_bits, rng, monkeypatch):
     monkeypatch.setattr(fc_head, "stores_bits", lambda mesh: as_bits)
     head, weight, _, emb, labels, sample = setup(rng, (2, 4), ("data", "class"), 0.4, 5)

@@ -52,9 +52,9 @@ def test_the_tests_emitter_flag_keeps_the_steps_buffers(fc_dtype, classes):
     compiles) where a user's program gets the fusion emitters: the memory tests speak for users' programs only while
     the step's buffers are the same. Arguments, outputs and aliasing (the state updated in place) equal, temporaries
     within 1 KiB (~0.3 KiB seen). A bfloat16 FC state needs the elemental emitter on CPU, which ``Run.compile_step``
-    asks for over the caller's options (``FCHead.compiler_options``; without it the fusion emitters' step holds a
-    copy of the weight: docs/benchmarks.md, "XLA:CPU and a 16-bit FC weight"; at 65,536 rows a device it exceeds the
-    step's peak elsewhere, 7.7 MB)."""
+    puts over the caller's options (``FCHead.compiler_options``), so there both compiles get it: that case checks that
+    ``compile_step`` applies it (without it the fusion emitters' step holds a copy of the weight, docs/benchmarks.md,
+    "XLA:CPU and a 16-bit FC weight"; at 65,536 rows a device that exceeds the step's peak elsewhere: 7.7 MB)."""
     run = tiny_run(num_classes=classes, chunk_size=1024, sample_rate=0.5, optimizer="adamw", fc_dtype=fc_dtype)
     compiled = [run.compile_step(run.abstract_state, {"xla_cpu_use_fusion_emitters": on}) for on in (True, False)]
     users, tests = (c.memory_analysis() for c in compiled)

@@ -144,7 +144,7 @@ def _chunked_cross_entropy(e_n, weight, targets, row_valid, margin, axis_name, c
 
 def _chunked_forward(e_n, weight, targets, row_valid, margin, axis_name, chunk_size, grad_dtype):
     n_tiles = tiles.num_tiles(weight.shape[0], chunk_size)
-    stored = bitcast(weight, grad_dtype)
+    stored = bitcast(weight, grad_dtype)  # the weight as its gradient is stored: itself, or on CPU maybe its bits
 
     def stats_at(i):
         index, where, rows = _tile(stored, targets, row_valid, i, chunk_size, weight.dtype)
@@ -158,7 +158,7 @@ def _chunked_forward(e_n, weight, targets, row_valid, margin, axis_name, chunk_s
 def _chunked_backward(margin, axis_name, chunk_size, grad_dtype, residuals, g):
     """Each row's gradient is written once, by the tile that owns it, in the weight's dtype."""
     e_n, weight, targets, row_valid, lse = residuals
-    stored = bitcast(weight, grad_dtype)
+    stored = bitcast(weight, grad_dtype)  # as in the forward
     write = partial(_write_gradient, dtype=weight.dtype)
 
     def step(carry, i):
