@@ -8,7 +8,11 @@ import numpy as np
 import optax
 import pytest
 
-from jaxcls import make_mesh
+from jax.sharding import NamedSharding
+
+from jaxcls import make_mesh, weight_sharding
+from jaxcls.fc import optimizers as fc_optimizers
+from jaxcls.mesh import DEFAULT_CLASS_AXES, row_spec
 from jaxcls.losses import init_weight
 from jaxcls.fc.sampling import gather_rows
 from jaxcls.fc.optimizers import (SparseState, adamw, decode, encode, round_half_even, rounding_bits, sgd,
@@ -77,8 +81,10 @@ def test_dense_update_equals_update_of_every_row(name, rounding, rng):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_compact_state_updates_in_float32_and_stores_rounded(dtype, rng):
+@pytest.mark.parametrize("dtype, on_cpu", [(jnp.bfloat16, True), (jnp.bfloat16, False), (jnp.float16, True)],
+                         ids=["bfloat16 as bits (CPU)", "bfloat16 as floats (GPU)", "float16"])
+def test_compact_state_updates_in_float32_and_stores_rounded(dtype, on_cpu, rng, monkeypatch):
+    monkeypatch.setattr(fc_optimizers, "on_cpu", lambda mesh: on_cpu)
     mesh = make_mesh(2, 4)
     c, d = 8 * 20, 8
     labels, sample, rows = draw(rng, mesh, c, 16, 0.1)
@@ -95,6 +101,28 @@ def test_compact_state_updates_in_float32_and_stores_rounded(dtype, rng):
     assert_rounded_float32_result(np.asarray(new_w)[sampled], w32 - 0.1 * g, dtype, np.abs(w32) + np.abs(0.1 * g))
     assert_rounded_float32_result(np.asarray(new_state.slots[0])[sampled], g, dtype,
                                   np.abs(np.asarray(grads)) + np.abs(5e-4 * w32))
+
+
+@pytest.mark.parametrize("dtype, state_dtype", [(jnp.float32, None), (jnp.bfloat16, None), (jnp.float16, None),
+                                                (jnp.bfloat16, jnp.int8)], ids=str)
+def test_update_of_sampled_rows_is_in_place_on_cpu(dtype, state_dtype):
+    """Donated, the weight and its slots are updated in place: temporaries independent of the class count. XLA:CPU
+    scatters into bfloat16 arrays only by converting them whole, so there their rows move as bits (513 B a class row
+    at D = 64 before)."""
+    mesh, d, sampled = make_mesh(2, 4), 64, 8 * 256
+    opt = sgd(state_dtype=state_dtype)
+    temporaries = []
+    for c in (8 * 4096, 8 * 16384):
+        weight = jax.ShapeDtypeStruct((c, d), dtype, sharding=weight_sharding(mesh))
+        state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                             jax.eval_shape(opt.init, weight))
+        rows = jax.ShapeDtypeStruct((sampled,), jnp.int32, sharding=NamedSharding(mesh, row_spec(DEFAULT_CLASS_AXES)))
+        grads = jax.ShapeDtypeStruct((sampled, d), jnp.float32, sharding=weight_sharding(mesh))
+        compiled = jax.jit(partial(opt.update, mesh=mesh), donate_argnums=(0, 1)).lower(
+            weight, state, rows, grads, 0.1).compile()
+        temporaries.append(compiled.memory_analysis().temp_size_in_bytes)
+    per_row = (temporaries[1] - temporaries[0]) / (16384 - 4096)
+    assert per_row < 8, f"temporaries grow by {per_row:.0f} B a class row"
 
 
 def assert_rounded_float32_result(stored, exact, dtype, operands):

@@ -34,7 +34,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxcls.mesh import DEFAULT_CLASS_AXES, row_spec, weight_spec
+from jaxcls.mesh import DEFAULT_CLASS_AXES, on_cpu, row_spec, weight_spec
+from jaxcls.precision import as_bits, bitcast
 
 
 class SparseState(NamedTuple):
@@ -71,7 +72,8 @@ class SparseOptimizer(NamedTuple):
 
         ``grads`` ``[W·B, D]`` is the gradient w.r.t. the gathered rows (``P(class_axes, None)``).
         ``rows=None`` updates every row (``grads`` is then ``[C_pad, D]``), without gather or scatter.
-        Returns the new weight and state; donate the old ones to update in place.
+        Returns the new weight and state; donate the old ones to update in place (on CPU a bfloat16 or 8-bit float
+        array moves as its bits, in place under XLA:CPU's elemental emitter: ``FCHead.compiler_options``).
         """
         class_axes = tuple(class_axes)
         count = state.count + 1
@@ -82,7 +84,8 @@ class SparseOptimizer(NamedTuple):
         rows_spec, matrix_spec = row_spec(class_axes), weight_spec(class_axes)
         slots_spec = (matrix_spec,) * len(state.slots)
         weight, slots = jax.shard_map(
-            partial(self._update_shard, class_axes=class_axes), mesh=mesh,
+            partial(self._update_shard, class_axes=class_axes, as_stored=as_bits if on_cpu(mesh) else lambda a: a),
+            mesh=mesh,
             in_specs=(matrix_spec, slots_spec, rows_spec, matrix_spec, P(), P()),
             out_specs=(matrix_spec, slots_spec),
         )(weight, state.slots, rows, grads, jnp.asarray(lr, jnp.float32), count)
@@ -106,13 +109,17 @@ class SparseOptimizer(NamedTuple):
             new_w = stochastic_round(new_w, rounding_bits(classes, new_w.shape[-1], count))
         return new_w.astype(weight.dtype), tuple(a for n, s in zip(new_slots, stored) for a in encode(n, s[0].dtype))
 
-    def _update_shard(self, weight, slots, rows, grads, lr, count, *, class_axes):
-        """Inside shard_map: gather ``rows``, update in float32, scatter back in the storage dtypes."""
+    def _update_shard(self, weight, slots, rows, grads, lr, count, *, class_axes, as_stored):
+        """Inside shard_map: gather ``rows``, update in float32, scatter back in the storage dtypes, the arrays held
+        ``as_stored`` meanwhile (on CPU ``precision.as_bits``: XLA:CPU scatters into bfloat16 and 8-bit float arrays
+        only by converting them whole)."""
         classes = rows + lax.axis_index(class_axes) * weight.shape[0]
-        new_w, new_slots = self.apply_rows(weight[rows], tuple(s[rows] for s in slots), grads, lr, count, classes)
-        weight = weight.at[rows].set(new_w, unique_indices=True)
-        slots = tuple(s.at[rows].set(n, unique_indices=True) for s, n in zip(slots, new_slots))
-        return weight, slots
+        arrays, dtypes = tuple(map(as_stored, (weight, *slots))), tuple(a.dtype for a in (weight, *slots))
+        old = tuple(bitcast(a[rows], t) for a, t in zip(arrays, dtypes))
+        new_w, new_slots = self.apply_rows(old[0], old[1:], grads, lr, count, classes)
+        weight, *slots = (bitcast(a.at[rows].set(bitcast(n, a.dtype), unique_indices=True), t)
+                          for a, n, t in zip(arrays, (new_w, *new_slots), dtypes))
+        return weight, tuple(slots)
 
 
 WEIGHT_ROUNDINGS = ("nearest", "stochastic")
