@@ -33,6 +33,7 @@ from jaxcls.fc.optimizers import sgd
 from jaxcls.fc.sampling import gather_rows
 from jaxcls.losses import arcface, sharded_margin_loss
 from jaxcls.mesh import replicated
+from jaxcls.precision import ELEMENTAL_EMITTER
 from jaxcls.startup import simulate_cpu_devices
 
 
@@ -52,7 +53,7 @@ ROUTES = {"fused": lambda head, *args: head.step(*args), "autodiff": autodiff_st
 
 # XLA:CPU's emitter: jaxlib's default (its fusion emitters), its elemental emitter, or the FC head's choice, as
 # ``Run.compile_step`` makes it (the elemental emitter where rows move as bits: ``FCHead.compiler_options``)
-EMITTERS = {"on": lambda head: None, "off": lambda head: {"xla_cpu_use_fusion_emitters": False},
+EMITTERS = {"on": lambda head: None, "off": lambda head: ELEMENTAL_EMITTER,
             "jaxcls": lambda head: head.compiler_options or None}
 
 

@@ -28,9 +28,15 @@ FC_STATE_DTYPES = {"same": None, **DTYPES, "int8": jnp.int8}
 def cpu_scatter_converts(dtype) -> bool:
     """Whether XLA:CPU writes rows into a ``dtype`` array (a scatter) only by converting the whole array to float32 and
     back: bfloat16 and the 8-bit floats. Float32, float16 and integer arrays it updates in place, as GPUs do every
-    dtype. On CPUs the FC step and the chunked loss move such rows as their bits (``as_bits``)."""
+    dtype. On CPUs the FC step, the chunked loss and the sparse update move such rows as their bits (``as_bits``),
+    in place only with ``ELEMENTAL_EMITTER``."""
     dtype = jnp.dtype(dtype)
     return bool(jnp.issubdtype(dtype, jnp.floating)) and dtype.itemsize < 4 and dtype != jnp.float16
+
+
+# XLA:CPU's elemental emitter, as compile options: its fusion emitters (the default) write a whole-array bitcast as a
+# copy, this emitter as nothing, so a program that moves rows as bits updates them in place only with it
+ELEMENTAL_EMITTER = {"xla_cpu_use_fusion_emitters": False}
 
 
 def bits_dtype(dtype):

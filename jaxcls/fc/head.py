@@ -35,7 +35,7 @@ from jaxcls.losses import tiles
 from jaxcls.losses.cross_entropy import combine_stats
 from jaxcls.losses.margins import CombinedMargin
 from jaxcls.losses.sharded import init_weight
-from jaxcls.precision import as_bits, bitcast, cpu_scatter_converts
+from jaxcls.precision import ELEMENTAL_EMITTER, as_bits, bitcast, cpu_scatter_converts
 
 DEFAULT_CHUNK = 65_536  # rows per tile: temporaries O(N·T + T·D), large enough to keep a GPU's matmuls busy
 
@@ -74,7 +74,7 @@ class FCHead:
         emitter makes them free."""
         dtypes = (self.dtype, self.optimizer.state_dtype or self.dtype)
         if any(stored_as_bits(self.mesh, d) for d in dtypes):
-            return {"xla_cpu_use_fusion_emitters": False}
+            return dict(ELEMENTAL_EMITTER)
         return {}
 
     @property

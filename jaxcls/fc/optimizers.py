@@ -73,7 +73,7 @@ class SparseOptimizer(NamedTuple):
         ``grads`` ``[W·B, D]`` is the gradient w.r.t. the gathered rows (``P(class_axes, None)``).
         ``rows=None`` updates every row (``grads`` is then ``[C_pad, D]``), without gather or scatter.
         Returns the new weight and state; donate the old ones to update in place (on CPU a bfloat16 or 8-bit float
-        array moves as its bits, in place under XLA:CPU's elemental emitter: ``FCHead.compiler_options``).
+        array moves as its bits, in place under XLA:CPU's elemental emitter: ``precision.ELEMENTAL_EMITTER``).
         """
         class_axes = tuple(class_axes)
         count = state.count + 1

@@ -76,7 +76,7 @@ def sharded_margin_loss(embeddings: jax.Array, weight: jax.Array, labels: jax.Ar
       chunk_size: if set, logits are made and consumed ``chunk_size`` classes at a time
         (recomputed in the backward) so ``[N, C_local]`` is never held at once; the weight's gradient is then filled
         in place (on CPU a bfloat16 weight moves as its bits: compile with XLA:CPU's elemental emitter,
-        ``compiler_options={"xla_cpu_use_fusion_emitters": False}``, or its bitcasts are a copy).
+        ``compiler_options=precision.ELEMENTAL_EMITTER``, or its bitcasts are a copy).
       row_classes: ``[R]`` int32, ``P(class_axes)``: the global class id of each weight row, ascending
         within each shard (``>= num_classes`` for padding). ``None`` means the full weight.
 
