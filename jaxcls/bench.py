@@ -40,17 +40,25 @@ def time_ms(fn, *args, warmup: int = 3, iters: int = 20) -> float:
     return statistics.median(times)
 
 
-FC_KERNELS = ("xla", "pallas")
+FC_KERNELS = ("xla", "pallas", "pallas_update")
 FC_KERNELS_HELP = ("the FC path's row kernels (jaxcls.losses.rows_stats, rows_backward): xla, XLA's forms of both; "
-                   "pallas, both Triton kernels (CUDA GPUs); default, each platform's own (on CUDA GPUs the "
-                   "statistics kernel and XLA's backward)")
+                   "pallas, both Triton kernels (CUDA GPUs); pallas_update, the statistics kernel and XLA's GEMMs "
+                   "with the rows updated by a Triton kernel (rows_backward.GEMMS_IN_KERNELS off); default, each "
+                   "platform's own (on CUDA GPUs the statistics kernel and XLA's backward)")
 
 
 @contextmanager
 def fc_kernels(form: str | None):
-    """Within the block, trace the FC path's statistics pass and backward in ``form`` (None: by platform)."""
-    with rows_stats.forced(form), rows_backward.forced(form):
-        yield
+    """Within the block, trace the FC path's statistics pass and backward in ``form`` (None: by platform; see
+    ``FC_KERNELS_HELP``)."""
+    gemms_in_kernels = rows_backward.GEMMS_IN_KERNELS
+    rows_backward.GEMMS_IN_KERNELS = gemms_in_kernels and form != "pallas_update"
+    kernel = "pallas" if form == "pallas_update" else form
+    try:
+        with rows_stats.forced(kernel), rows_backward.forced(kernel):
+            yield
+    finally:
+        rows_backward.GEMMS_IN_KERNELS = gemms_in_kernels
 
 
 def compiled_memory(compiled) -> dict:

@@ -204,20 +204,24 @@ def test_one_byte_state_matches_the_autodiff_route(state_dtype, as_bits, rng, mo
         assert np.array_equal(np.asarray(a)[untouched], np.asarray(b)[untouched])
 
 
+@pytest.mark.parametrize("gemms_in_kernels", [True, False], ids=["kernels", "update_kernel_alone"])
 @pytest.mark.parametrize("layout,case", [(LAYOUTS[0], CASES[1]), (LAYOUTS[1], CASES[3])], ids=str)
-def test_fused_step_through_the_row_kernels_equals_dense_float64_reference(layout, case, rng, monkeypatch):
+def test_fused_step_through_the_row_kernels_equals_dense_float64_reference(layout, case, gemms_in_kernels, rng,
+                                                                           monkeypatch):
     """The step as a CUDA GPU runs it, its statistics and backward in jaxcls.losses' Pallas kernels (in Pallas'
-    interpreter here), against float64: tiles that overlap, a sample, both optimizers. The interpreter runs inside
+    interpreter here), against float64: tiles that overlap, a sample, both optimizers; the backward's two kernels, or
+    XLA's GEMMs and the update kernel alone (rows_backward.GEMMS_IN_KERNELS off). The interpreter runs inside
     shard_map only without its check of how values vary over the mesh, which the layouts here do not need (the rows
     vary over every axis the embeddings do)."""
     monkeypatch.setattr(jax, "shard_map", functools.partial(jax.shard_map, check_vma=False))
+    monkeypatch.setattr(rows_backward, "GEMMS_IN_KERNELS", gemms_in_kernels)
     (mesh_shape, class_axes), (rate, chunk, optimizer) = layout, case
     head, weight, state, emb, labels, sample = setup(rng, mesh_shape, class_axes, rate, chunk or 24, optimizer, d=32)
     lr = float(rng.uniform(0.01, 0.5))
     with rows_backward.forced("pallas_interpret"), rows_stats.forced("pallas_interpret"):
         traced = str(jax.make_jaxpr(lambda *a: head.step(*a, lr))(weight, state, emb, labels, sample))
         result = run(head, weight, state, emb, labels, sample, lr)
-    assert traced.count("pallas_call") == 3  # statistics, embeddings' gradient, update
+    assert traced.count("pallas_call") == (3 if gemms_in_kernels else 2)  # statistics, [embeddings' gradient,] update
     check_step_against_reference(head, optimizer, (weight, state, emb, labels, sample and sample.rows, lr), result)
 
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
+from jaxcls.bench import fc_kernels
 from jaxcls.losses import rows_backward, rows_stats
 from jaxcls.models.mobilefacenet import ConvBlock
 from jaxcls.plan import gpu_target
@@ -32,7 +33,8 @@ D = 32  # tiny.py's embedding size
 
 def compiled_at(rows: int, fc_state_dtype: str = "same", backward: str | None = None):
     """``(run, compiled step)`` of the tiny config, bfloat16 compute and FC weight (its state in ``fc_state_dtype``),
-    PartialFC 0.5, on 8 H100s; the tiles' backward in the ``backward`` form (None: the platform's default). Compiled
+    PartialFC 0.5, on 8 H100s; the FC path's kernels as ``--fc-kernels backward`` picks them (``jaxcls.bench.
+    fc_kernels``; None: the platform's default, the statistics kernel and XLA's backward). Compiled
     once per process for each setting, however the call spells it (``functools.cache`` keys on the arguments as
     passed: ``compiled_at(R)`` and ``compiled_at(R, "same")`` compiled twice)."""
     return _compiled_at(rows, fc_state_dtype, backward)
@@ -42,7 +44,7 @@ def compiled_at(rows: int, fc_state_dtype: str = "same", backward: str | None = 
 def _compiled_at(rows: int, fc_state_dtype: str, backward: str | None):
     config = get_config(num_classes=8 * rows, sample_rate=0.5, chunk_size=1024, precision="bfloat16",
                         fc_dtype="bfloat16", fc_state_dtype=fc_state_dtype, mesh_data=2)
-    with rows_backward.forced(backward):
+    with fc_kernels(backward):
         run = build(config, gpu_target.gpu_devices("h100", 8), with_data=False)
         return run, run.compile_step(run.abstract_state, gpu_target.COMPILE_OPTIONS)
 
@@ -124,6 +126,32 @@ def test_the_fc_rows_are_read_by_index_and_updated_by_kernels_that_touch_each_on
     assert not in_tile_loops, in_tile_loops
     launches = [line for line in text.splitlines() if 'name = "rows_update"' in line]
     assert launches and all("output_to_operand_aliasing" in line for line in launches)  # in place
+
+
+@pytest.mark.slow
+@pytest.mark.gpu_target
+def test_the_update_kernel_alone_updates_the_rows_in_place_after_xlas_gemms():
+    """With rows_backward.GEMMS_IN_KERNELS off (``--fc-kernels pallas_update``) XLA's GEMMs form the embeddings' and
+    the rows' gradients from one gathered copy of the weight's rows, and rows_update, once per tile, reads the rows
+    and their momentum by index and writes them in place: no scatter and no gathered momentum in the tile loops
+    (XLA's form gathers both and scatters each, re-reading the gathered rows: 18.1 KB a sampled row at batch 128,
+    D = 512, bfloat16, against this form's 13.1; benchmarks/fc_bytes_per_row.py), and no temporary that grows with
+    the classes."""
+    (small_run, small), (big_run, big) = (compiled_at(rows, backward="pallas_update") for rows in ROWS)
+    text = small.as_text()
+    found = kernels(text)
+    ours = [k for k in found if "/rows_update/pallas_call" in k.origin]
+    assert len(ours) == 1 and ours[0].count > 1, ours
+    assert 'name = "rows_embedding_grad"' not in text
+    in_loops = [k for k in found if k.count > 1]
+    assert not [k.origin for k in in_loops if "/scatter" in k.origin]
+    gathered = sum(k.moved_bytes for k in in_loops if "gather" in k.name)  # fusions named by the ops they fuse
+    tile = 1024 * D * 2  # chunk_size rows of the bfloat16 weight
+    assert tile * 2 <= gathered < tile * 3, gathered / tile  # the weight's rows read and their copy written, alone
+    launches = [line for line in text.splitlines() if 'name = "rows_update"' in line]
+    assert launches and all("output_to_operand_aliasing" in line for line in launches)  # in place
+    extra = big.memory_analysis().temp_size_in_bytes - small.memory_analysis().temp_size_in_bytes
+    assert -4096 <= extra <= 4 * (ROWS[1] - ROWS[0]), extra
 
 
 @pytest.mark.slow

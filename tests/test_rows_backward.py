@@ -4,6 +4,8 @@ kernels too, test_sharded holds the chunked loss to float64 in XLA's form, and t
 the step compiled for an H100.)"""
 
 
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +18,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxcls.losses import kernel_forms, rows_backward, tiles
 from reference import MARGINS, adamw_step, margin_target, rel_err, sgd_step
 
-FORMS = ("xla", "pallas_interpret")
+# XLA's form, the kernels (interpreted), and the update kernel alone on XLA's GEMMs (rows_backward.GEMMS_IN_KERNELS off)
+FORMS = ("xla", "pallas_interpret", "update_kernel_interpret")
 
 
 def draw_tile(rng, dtype):
@@ -68,7 +71,9 @@ def tile_lse(e_n, rows, margin, where, rng):
 def backward(form, arrays, index, where, e_n, lse, g, margin, *update, reads=0):
     """``tile_backward`` jitted in ``form``; ``update``: ``(keep, rule, *scalars)`` or nothing."""
     keep, rule, *scalars = update or (None, None)
-    with rows_backward.forced(form):
+    update_alone = form == "update_kernel_interpret"
+    with rows_backward.forced("pallas_interpret" if update_alone else form), \
+            mock.patch.object(rows_backward, "GEMMS_IN_KERNELS", not update_alone):
         step = jax.jit(lambda arrays, e_n, keep, scalars: rows_backward.tile_backward(
             arrays, index, where, e_n, lse, g, margin, lambda: arrays[0][index],
             *(() if keep is None else (keep, rule, *scalars)), reads=reads))
@@ -174,8 +179,8 @@ def test_both_forms_step_the_kept_rows_as_the_float64_optimizer_and_leave_the_re
             assert a.dtype == b.dtype and np.array_equal(np.asarray(a)[untouched], np.asarray(b)[untouched]), form
     # a 16-bit weight rounds alike in both (stochastic rounding: the same bits), apart only where their float32 sums
     # straddle a cut (float32 weights differ in their last bits, held to float64 above)
-    xla, kernels = (np.asarray(results[form][0])[rows[kept]] for form in FORMS)
-    assert weight_dtype == jnp.float32 or np.mean(xla == kernels) > 0.99
+    xla, *kernels = (np.asarray(results[form][0])[rows[kept]] for form in FORMS)
+    assert weight_dtype == jnp.float32 or all(np.mean(xla == k) > 0.99 for k in kernels)
 
 
 def test_the_kernels_are_used_only_where_they_can_be(rng):
@@ -188,6 +193,7 @@ def test_the_kernels_are_used_only_where_they_can_be(rng):
         return str(jax.make_jaxpr(lambda arrays: backward(form, arrays, index, where, e_n, lse, g, MARGINS["cosface"],
                                                           jnp.ones(10, bool), keep_rows))((weight, *slots)))
     assert trace("pallas_interpret", 32).count("pallas_call") == 2  # the embeddings' gradient, then the update
+    assert trace("update_kernel_interpret", 32).count("pallas_call") == 1  # the update alone
     assert "pallas_call" not in trace("xla", 32)
     assert "pallas_call" not in trace("pallas_interpret", 24)  # not a power of two
     assert "pallas_call" not in trace("pallas_interpret", 32, rows=(12,))  # a slot's rows of 12: no Triton block

@@ -16,6 +16,9 @@ rows' gradient in ``tiles.tile_grad_parts``' two parts. Two forms compute it:
   block of rows, sums the rows' gradient over the batch, applies ``rule`` in registers and stores the rows back in
   place. It runs after the first, which needs the rows as they were. ``d_e`` stays float32 over the whole tile
   (XLA's form rounds it to the embeddings' dtype).
+  With ``GEMMS_IN_KERNELS`` off, XLA's GEMMs give ``d_e`` and the rows' gradient parts instead (as in XLA's form)
+  and only the update is a kernel: one program per block of rows reads the rows' product, the rows and their slots
+  by index and stores the new rows in place, each row read and written once, with no loop over the batch.
 - ``"xla"`` (the default on every platform, CUDA GPUs included: an H100 timed it faster than the untuned kernels;
   always for rows a Triton block does not fit, and for rows replicated over mesh axes that hold other embeddings,
   whose gradient is a sum over devices that autodiff forms and no kernel sees): ``gathered()`` (the rows as the
@@ -54,6 +57,7 @@ UPDATE_BLOCK_BATCH = 16  # the whole batch, this many embeddings at a time (from
 UPDATE_WARPS = 8
 GRAD_BLOCK_DIM = UPDATE_BLOCK_DIM = 64  # the cosines' products take the embedding dimension in slices of this many
 GRAD_STAGES = UPDATE_STAGES = 1  # Triton's software-pipelining stages of each kernel's loop
+GEMMS_IN_KERNELS = True  # False: XLA's GEMMs form d_e and the rows' product, a kernel only updates the rows
 # Chosen by registers, compiled for an H100 (benchmarks/fc_kernels.py --registers): 128 a thread in both kernels, no
 # spills, two programs an SM. Not yet timed: the settings an H100 timed on 2026-11-26 (whole-D products, 32
 # embeddings a block, 4 warps in the update: 202 and 255 registers, spills) took 1.3-1.5x the time of XLA's form for a
@@ -87,7 +91,7 @@ def tile_backward(arrays: tuple, index, where: tiles.TileColumns, e_n, lse, g, m
         # rows replicated over mesh axes that hold other embeddings (class_axes=('class',) with data > 1): their
         # gradient is a sum over those devices, which autodiff forms in XLA's form and no kernel sees
         return xla(*args)
-    return run(_FORM, partial(_pallas_form, margin=margin, rule=rule, reads=reads), xla, *args,
+    return run(_FORM, partial(_pallas_form, margin=margin, rule=rule, reads=reads, gathered=gathered), xla, *args,
                kernel_on_cuda=KERNEL_ON_CUDA)
 
 
@@ -110,7 +114,13 @@ def _xla_form(arrays, index, where, e_n, lse, g, keep, *scalars, margin, rule, g
                       for a, n, o in zip(arrays, new, old))  # (reads is 0)
 
 
-def _pallas_form(arrays, index, where, e_n, lse, g, keep, *scalars, margin, rule, reads, interpret: bool):
+def _pallas_form(arrays, index, where, e_n, lse, g, keep, *scalars, margin, rule, reads, gathered, interpret: bool):
+    if not GEMMS_IN_KERNELS:
+        d_e, *row_grad = tiles.tile_grad_parts(e_n, gathered(), where, margin, lse, g)
+        if keep is None:
+            return d_e.astype(jnp.float32), arrays
+        return d_e.astype(jnp.float32), arrays[:reads] + _update_given(arrays, index, row_grad, keep, scalars, rule,
+                                                                       reads, interpret)
     d_e = _embedding_grad(arrays[0], index, where, e_n, lse, g, margin, interpret)
     if keep is None:
         return d_e, arrays
@@ -161,33 +171,64 @@ def _embedding_grad_kernel(index_ref, columns_ref, kept_ref, rel_ref, lse_ref, g
 
 
 def _update(arrays, index, where, e_n, lse, g, keep, scalars, margin, rule, reads, interpret):
-    index = block_index(index, UPDATE_BLOCK_ROWS)  # padding rows: copies of the last, storing what it stores
+    """The update kernel that sums the rows' gradient over the batch itself (``_summed_row_grad``)."""
     where = block_columns(where, UPDATE_BLOCK_ROWS, copies=True)
-    keep = jnp.pad(keep, (0, index.shape[0] - keep.shape[0]), mode="edge")
     e_n, rel, lse, g = block_batch(UPDATE_BLOCK_BATCH, e_n, where.rel, lse, g)
+    return _update_call(arrays, index, keep, (where.columns, where.kept), (rel, lse, g, e_n), scalars,
+                        partial(_summed_row_grad, margin=margin), rule, reads, interpret)
+
+
+def _update_given(arrays, index, row_grad, keep, scalars, rule, reads, interpret):
+    """The update kernel on the rows' gradient parts that XLA's GEMMs formed (``tiles.tile_grad_parts``)."""
+    return _update_call(arrays, index, keep, tuple(row_grad), (), scalars, _given_row_grad, rule, reads, interpret)
+
+
+def _update_call(arrays, index, keep, by_row, whole, scalars, row_grad, rule, reads, interpret):
+    """One program per ``UPDATE_BLOCK_ROWS`` rows of ``index``: ``row_grad(index, weight_ref, *by_row blocks, *whole)``
+    gives their gradient parts, ``rule`` their new rows, stored in place where ``keep``. ``by_row``: ``[T, ...]``
+    arrays read a block of rows at a time; ``whole``: arrays each program reads whole."""
+    pad = lambda x: jnp.pad(x, [(0, -x.shape[0] % UPDATE_BLOCK_ROWS)] + [(0, 0)] * (x.ndim - 1), mode="edge")
+    index = block_index(index, UPDATE_BLOCK_ROWS)  # padding rows: copies of the last, storing what it stores
+    by_row = tuple(map(pad, (keep, *by_row)))
     scalars = tuple(jnp.reshape(s, (1,)) for s in scalars)
-    rows = pl.BlockSpec((UPDATE_BLOCK_ROWS,), lambda i: (i,))
-    whole = lambda x: pl.BlockSpec(x.shape, lambda i: (0,) * x.ndim)
-    vectors = (index, where.columns, where.kept, keep)
-    batch = (rel, lse, g, e_n)
+    rows = lambda x: pl.BlockSpec((UPDATE_BLOCK_ROWS, *x.shape[1:]), lambda i: (i,) + (0,) * (x.ndim - 1))
+    whole_spec = lambda x: pl.BlockSpec(x.shape, lambda i: (0,) * x.ndim)
     written = arrays[reads:]
+    first_array = 1 + len(by_row) + len(whole) + len(scalars)
     return tuple(pl.pallas_call(
-        partial(_update_kernel, margin=margin, rule=rule, num_scalars=len(scalars), num_written=len(written)),
+        partial(_update_kernel, row_grad=row_grad, rule=rule, num_by_row=len(by_row) - 1, num_whole=len(whole),
+                num_scalars=len(scalars), num_written=len(written)),
         grid=(index.shape[0] // UPDATE_BLOCK_ROWS,),
-        in_specs=[rows] * len(vectors) + [whole(x) for x in (*batch, *scalars, *arrays)],
-        out_specs=[whole(a) for a in written],
+        in_specs=[rows(x) for x in (index, *by_row)] + [whole_spec(x) for x in (*whole, *scalars, *arrays)],
+        out_specs=[whole_spec(a) for a in written],
         out_shape=[varying_like(a) for a in written],
-        input_output_aliases={len(vectors) + len(batch) + len(scalars) + reads + i: i for i in range(len(written))},
+        input_output_aliases={first_array + reads + i: i for i in range(len(written))},
         interpret=interpret, name="rows_update",
         compiler_params=compiler_params(interpret, UPDATE_WARPS, UPDATE_STAGES),
-    )(*vectors, *batch, *scalars, *arrays))
+    )(index, *by_row, *whole, *scalars, *arrays))
 
 
-def _update_kernel(index_ref, columns_ref, kept_ref, keep_ref, rel_ref, lse_ref, g_ref, e_ref, *refs, margin, rule,
-                   num_scalars, num_written):
+def _update_kernel(index_ref, keep_ref, *refs, row_grad, rule, num_by_row, num_whole, num_scalars, num_written):
+    by_row, whole, refs = refs[:num_by_row], refs[num_by_row:num_by_row + num_whole], refs[num_by_row + num_whole:]
     scalar_refs, array_refs, out_refs = refs[:num_scalars], refs[num_scalars:-num_written], refs[-num_written:]
     index = index_ref[...]
-    weight_ref, (batch, d) = array_refs[0], e_ref.shape
+    grad = row_grad(index, array_refs[0], *by_row, *whole)
+    # the rows and slots as stored are read here, not held through row_grad's loop (registers: 255 and spills before)
+    old = tuple(a[index, :] for a in array_refs)
+    new = rule(old, grad, index, *(s[0] for s in scalar_refs))
+    keep = keep_ref[...]
+    for out, n, o in zip(out_refs, new, old[len(old) - num_written:]):
+        out[index, :] = jnp.where(keep[:, None], n, o)
+
+
+def _given_row_grad(index, weight_ref, product_ref, radial_ref):
+    return product_ref[...], radial_ref[...]
+
+
+def _summed_row_grad(index, weight_ref, columns_ref, kept_ref, rel_ref, lse_ref, g_ref, e_ref, *, margin):
+    """The rows' gradient parts summed over the batch, ``UPDATE_BLOCK_BATCH`` embeddings at a time, their cosines
+    recomputed on chip."""
+    batch, d = e_ref.shape
     dtype = tiles.gradient_product_dtype(e_ref.dtype)
     columns, kept = columns_ref[...], kept_ref[...]
 
@@ -208,10 +249,4 @@ def _update_kernel(index_ref, columns_ref, kept_ref, keep_ref, rel_ref, lse_ref,
                                                 (jnp.zeros((index.shape[0], d), jnp.float32), no_rows, no_rows))
     # carried out of the loop rather than recomputed from the rows read below: that held 174 registers, this 128
     inverse = tiles.inverse_of_squares(squares)
-    # the rows and slots as stored are read again here, not held through the loop (registers: 255 and spills before)
-    old = tuple(a[index, :] for a in array_refs)
-    row_grad = product.astype(e_ref.dtype), tiles.radial_part(d_inverse, inverse, squares)
-    new = rule(old, row_grad, index, *(s[0] for s in scalar_refs))
-    keep = keep_ref[...]
-    for out, n, o in zip(out_refs, new, old[len(old) - num_written:]):
-        out[index, :] = jnp.where(keep[:, None], n, o)
+    return product.astype(e_ref.dtype), tiles.radial_part(d_inverse, inverse, squares)
