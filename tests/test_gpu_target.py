@@ -196,16 +196,21 @@ def test_the_fc_path_moves_at_most_8_kb_per_sampled_row(tmp_path):
     ("sgd", "float32", "float32", "bfloat16", "cosface", "nearest"),
     ("adamw", "float32", "float32", "float16", "arcface", "nearest"),
     ("sgd", "bfloat16", "bfloat16", "bfloat16", "cosface", "stochastic")])
-def test_the_row_kernels_compile_for_an_h100_at_full_size(optimizer, weight, state, embeddings, margin, rounding):
-    """Each FC row kernel (statistics, embeddings' gradient, update) through Triton for an H100 at D = 512, a 65,536-row
-    tile, N = 128, for each optimizer rule, storage, compute dtype, margin family (acos for SphereFace) and the weight's
-    rounding (stochastic: integer hashing): a rule or margin with an operation Triton lacks, or a block too large for
-    an SM, fails here rather than in a lease."""
+@pytest.mark.parametrize("gemms_in_kernels", [True, False], ids=["kernels", "update_kernel_alone"])
+def test_the_row_kernels_compile_for_an_h100_at_full_size(optimizer, weight, state, embeddings, margin, rounding,
+                                                          gemms_in_kernels, monkeypatch):
+    """Each FC row kernel (statistics, embeddings' gradient, update; or the update alone after XLA's GEMMs) through
+    Triton for an H100 at D = 512, a 65,536-row tile, N = 128, for each optimizer rule, storage, compute dtype, margin
+    family (acos for SphereFace) and the weight's rounding (stochastic: integer hashing): a rule or margin with an
+    operation Triton lacks, or a block too large for an SM, fails here rather than in a lease."""
+    monkeypatch.setattr(rows_backward, "GEMMS_IN_KERNELS", gemms_in_kernels)
     compiled = benchmark("fc_kernels").compile_row_kernels(gpu_target.gpu_devices("h100", 1)[0], optimizer, weight,
                                                            state, embeddings, margin, rounding)
     text = compiled.as_text()
-    for kernel in ("rows_stats", "rows_embedding_grad", "rows_update"):
-        assert f'name = "{kernel}"' in text, kernel
+    expected = ("rows_stats", "rows_embedding_grad", "rows_update") if gemms_in_kernels else ("rows_stats",
+                                                                                              "rows_update")
+    assert {kernel for kernel in ("rows_stats", "rows_embedding_grad", "rows_update")
+            if f'name = "{kernel}"' in text} == set(expected)
 
 
 @pytest.mark.gpu_target

@@ -52,7 +52,7 @@ GRAD_BLOCK_BATCH = 16  # embeddings per program of the embeddings' gradient
 GRAD_BLOCK_ROWS = 32  # rows it multiplies at a time
 GRAD_PROGRAMS = 256  # it splits the tile's rows into shares until about this many programs run
 GRAD_WARPS = 8  # Triton's warps per program
-UPDATE_BLOCK_ROWS = 16  # rows per program of the update (Triton's products need 16 or more); each program reads
+UPDATE_BLOCK_ROWS = 16  # rows per program of the update (its loop's Triton products need 16 or more); each reads
 UPDATE_BLOCK_BATCH = 16  # the whole batch, this many embeddings at a time (from L2: N·D per block of rows)
 UPDATE_WARPS = 8
 GRAD_BLOCK_DIM = UPDATE_BLOCK_DIM = 64  # the cosines' products take the embedding dimension in slices of this many
