@@ -118,7 +118,8 @@ def embedding_grad_row(weight_dtype, form, c, d, t, n, iters, warmup, rng):
 
 def compile_row_kernels(device, optimizer="sgd", weight="bfloat16", state="bfloat16", embeddings="bfloat16",
                         margin="arcface", rounding="nearest", n=128, options=None):
-    """The three row kernels (statistics, embeddings' gradient, update) of one 65,536-row tile of a 1M × 512 weight,
+    """The row kernels (statistics, embeddings' gradient, update; with ``rows_backward.GEMMS_IN_KERNELS`` off the
+    statistics and the update alone) of one 65,536-row tile of a 1M × 512 weight,
     compiled by XLA for ``device`` (e.g. ``gpu_target.gpu_devices("h100", 1)[0]``: no GPU needed) with ``options``
     added to ``gpu_target.COMPILE_OPTIONS``."""
     at = lambda shape, dtype: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=SingleDeviceSharding(device))

@@ -3,7 +3,7 @@
     python benchmarks/loss.py                 # GPU sizes: C in {1M, 4M}, N in {128, 512}, D=512, bf16
     python benchmarks/loss.py --cpu           # N=256, D=128, C=65,536 on 8 simulated CPU devices, float32
     python benchmarks/loss.py --small         # seconds; what the test suite runs
-    python benchmarks/loss.py --fc-kernels xla   # the chunked loss in one form of its row kernels (xla or pallas)
+    python benchmarks/loss.py --fc-kernels xla   # the chunked loss in one form (jaxcls.bench.FC_KERNELS)
 
 Forward+backward (grads w.r.t. embeddings and weight) under one jit. FLOPs counted as 6·N·D·C (the logits
 matmul and its two gradient matmuls).

@@ -52,7 +52,8 @@ def fc_kernels(form: str | None):
     """Within the block, trace the FC path's statistics pass and backward in ``form`` (None: by platform; see
     ``FC_KERNELS_HELP``)."""
     gemms_in_kernels = rows_backward.GEMMS_IN_KERNELS
-    rows_backward.GEMMS_IN_KERNELS = gemms_in_kernels and form != "pallas_update"
+    if form in ("pallas", "pallas_update"):
+        rows_backward.GEMMS_IN_KERNELS = form == "pallas"
     kernel = "pallas" if form == "pallas_update" else form
     try:
         with rows_stats.forced(kernel), rows_backward.forced(kernel):

@@ -147,7 +147,8 @@ def test_the_update_kernel_alone_updates_the_rows_in_place_after_xlas_gemms():
     assert not [k.origin for k in in_loops if "/scatter" in k.origin]
     gathered = sum(k.moved_bytes for k in in_loops if "gather" in k.name)  # fusions named by the ops they fuse
     tile = 1024 * D * 2  # chunk_size rows of the bfloat16 weight
-    assert tile * 2 <= gathered < tile * 3, gathered / tile  # the weight's rows read and their copy written, alone
+    # the weight's rows read and their copy written, alone (0: XLA named the fusion otherwise, or fused the gather)
+    assert tile * 2 <= gathered < tile * 3, gathered / tile
     launches = [line for line in text.splitlines() if 'name = "rows_update"' in line]
     assert launches and all("output_to_operand_aliasing" in line for line in launches)  # in place
     extra = big.memory_analysis().temp_size_in_bytes - small.memory_analysis().temp_size_in_bytes

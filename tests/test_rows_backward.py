@@ -97,7 +97,7 @@ GRADIENT_CASES = [(margin, dtype, rows_backward.GRAD_PROGRAMS) for margin in ("a
 
 
 @pytest.mark.parametrize("margin,dtype,programs", GRADIENT_CASES, ids=lambda v: getattr(v, "__name__", str(v)))
-def test_both_forms_give_the_float64_gradients_of_the_embeddings_and_the_kept_rows(margin, dtype, programs, rng,
+def test_every_form_gives_the_float64_gradients_of_the_embeddings_and_the_kept_rows(margin, dtype, programs, rng,
                                                                                    monkeypatch):
     monkeypatch.setattr(rows_backward, "GRAD_PROGRAMS", programs)
     for name in ("GRAD_BLOCK_DIM", "UPDATE_BLOCK_DIM"):  # the products over two slices of the 32 dimensions
@@ -142,7 +142,7 @@ def as_float64(arrays, per_slot):
 
 
 @pytest.mark.parametrize("name,weight_dtype,state_dtype,rounding", CASES, ids=str)
-def test_both_forms_step_the_kept_rows_as_the_float64_optimizer_and_leave_the_rest(name, weight_dtype, state_dtype,
+def test_every_form_steps_the_kept_rows_as_the_float64_optimizer_and_leave_the_rest(name, weight_dtype, state_dtype,
                                                                                    rounding, rng):
     margin = MARGINS["arcface"]
     weight, index, where, e_n = draw_tile(rng, weight_dtype)

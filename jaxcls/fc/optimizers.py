@@ -19,7 +19,7 @@ bfloat16. The weight update uses the float32 state before it is rounded for stor
 A bfloat16 weight keeps 8 significant bits: rounded to nearest, an update below half its step (at millions of classes,
 a sampled row's gradient near 1/C and its weight decay) is lost. ``weight_rounding="stochastic"`` rounds the new
 weight rows up or down with the probabilities that make the stored value equal the float32 one in expectation; the
-random bits are a hash of (class, column, step), so every mesh and both forms of the fused step draw the same ones
+random bits are a hash of (class, column, step), so every mesh and every form of the fused step draw the same ones
 and the state gains nothing.
 """
 

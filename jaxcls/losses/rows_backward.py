@@ -7,7 +7,7 @@ hit L1/L2; not yet measured).
 ``(d_e, arrays)``: the gradient ``[N, D]`` float32 of ``Σ_n g[n]·loss[n]`` w.r.t. ``e_n`` through the tile of rows
 ``index`` of ``arrays[0]`` (the weight), and ``arrays`` (the weight and its optimizer slots, all ``[C_local, ...]``)
 with the rows ``index`` replaced where ``keep`` holds by ``rule(rows, (product, radial), index, *scalars)``, the
-rows' gradient in ``tiles.tile_grad_parts``' two parts. Two forms compute it:
+rows' gradient in ``tiles.tile_grad_parts``' two parts. Two forms compute it, the first in two variants:
 
 - ``"pallas"`` (when forced, or on CUDA GPUs where ``KERNEL_ON_CUDA``): two Triton kernels that read the rows by
   index and recompute each block's cosines and their gradient on chip from the tile's log-sum-exp (no ``[N, T]``
@@ -16,9 +16,10 @@ rows' gradient in ``tiles.tile_grad_parts``' two parts. Two forms compute it:
   block of rows, sums the rows' gradient over the batch, applies ``rule`` in registers and stores the rows back in
   place. It runs after the first, which needs the rows as they were. ``d_e`` stays float32 over the whole tile
   (XLA's form rounds it to the embeddings' dtype).
-  With ``GEMMS_IN_KERNELS`` off, XLA's GEMMs give ``d_e`` and the rows' gradient parts instead (as in XLA's form)
-  and only the update is a kernel: one program per block of rows reads the rows' product, the rows and their slots
-  by index and stores the new rows in place, each row read and written once, with no loop over the batch.
+  With ``GEMMS_IN_KERNELS`` off, XLA's GEMMs give ``d_e`` (rounded as in XLA's form) and the rows' gradient parts
+  from a gathered copy of the weight's rows, and only the update is a kernel: one program per block of rows reads
+  the rows' product, the rows and their slots by index and stores the new rows in place, each row read and written
+  once, with no loop over the batch.
 - ``"xla"`` (the default on every platform, CUDA GPUs included: an H100 timed it faster than the untuned kernels;
   always for rows a Triton block does not fit, and for rows replicated over mesh axes that hold other embeddings,
   whose gradient is a sum over devices that autodiff forms and no kernel sees): ``gathered()`` (the rows as the
@@ -52,8 +53,8 @@ GRAD_BLOCK_BATCH = 16  # embeddings per program of the embeddings' gradient
 GRAD_BLOCK_ROWS = 32  # rows it multiplies at a time
 GRAD_PROGRAMS = 256  # it splits the tile's rows into shares until about this many programs run
 GRAD_WARPS = 8  # Triton's warps per program
-UPDATE_BLOCK_ROWS = 16  # rows per program of the update (its loop's Triton products need 16 or more); each reads
-UPDATE_BLOCK_BATCH = 16  # the whole batch, this many embeddings at a time (from L2: N·D per block of rows)
+UPDATE_BLOCK_ROWS = 16  # rows per program of the update (its loop's Triton products need 16 or more); the looped
+UPDATE_BLOCK_BATCH = 16  # update reads the whole batch, this many embeddings at a time (from L2: N·D a block of rows)
 UPDATE_WARPS = 8
 GRAD_BLOCK_DIM = UPDATE_BLOCK_DIM = 64  # the cosines' products take the embedding dimension in slices of this many
 GRAD_STAGES = UPDATE_STAGES = 1  # Triton's software-pipelining stages of each kernel's loop
@@ -213,7 +214,7 @@ def _update_kernel(index_ref, keep_ref, *refs, row_grad, rule, num_by_row, num_w
     scalar_refs, array_refs, out_refs = refs[:num_scalars], refs[num_scalars:-num_written], refs[-num_written:]
     index = index_ref[...]
     grad = row_grad(index, array_refs[0], *by_row, *whole)
-    # the rows and slots as stored are read here, not held through row_grad's loop (registers: 255 and spills before)
+    # the rows and slots as stored are read here, not held through _summed_row_grad's loop (255 registers and spills)
     old = tuple(a[index, :] for a in array_refs)
     new = rule(old, grad, index, *(s[0] for s in scalar_refs))
     keep = keep_ref[...]
