@@ -204,19 +204,20 @@ def test_the_kernels_are_used_only_where_they_can_be(rng):
 
 
 def test_the_kernels_padding_copies_the_last_row_where_it_stores_and_counts_nothing_where_it_sums(rng):
-    """The update kernel pads a tile with copies of its last row, column and keep, so that each copy stores what the
-    row stores (two stores to one address in one program: only equal values make that safe on a GPU, and Pallas'
-    interpreter cannot show a race); the kernels that sum over rows pad with columns that are neither kept nor a
-    target."""
+    """The update kernel pads a tile with copies of its last row, column, keep and gradient parts (``pad_rows``), so
+    that each copy stores what the row stores (two stores to one address in one program: only equal values make that
+    safe on a GPU, and Pallas' interpreter cannot show a race); the kernels that sum over rows pad with columns that
+    are neither kept nor a target."""
     t = int(rng.integers(17, 31))
     targets = jnp.asarray(rng.integers(-1, t, 40), jnp.int32).at[0].set(t - 1)
     where = tiles.tile_columns(targets, jnp.asarray(rng.random(t) < 0.7).at[-1].set(True), 0, 0)
     index = kernel_forms.block_index(jnp.asarray(np.sort(rng.choice(500, t, replace=False)), jnp.int32), 16)
-    copies = kernel_forms.block_columns(where, 16, copies=True)
-    assert index.shape == copies.columns.shape == copies.kept.shape == (32,)
-    for padded in (index, copies.columns, copies.kept):
+    columns, kept = (kernel_forms.pad_rows(x, 16) for x in (where.columns, where.kept))
+    product = kernel_forms.pad_rows(jnp.asarray(rng.normal(size=(t, 8)), jnp.float32), 16)
+    assert index.shape == columns.shape == kept.shape == (32,) and product.shape == (32, 8)
+    for padded in (index, columns, kept, product):
         assert np.all(np.asarray(padded)[t:] == np.asarray(padded)[t - 1])
-    inert = kernel_forms.block_columns(where, 16, copies=False)
+    inert = kernel_forms.block_columns(where, 16)
     assert not np.any(np.asarray(inert.kept)[t:])
     assert not np.any(np.asarray(inert.columns)[t:, None] == np.asarray(where.rel)[None, :])
 

@@ -32,20 +32,22 @@ def run(forms: Forms, pallas, xla, *args, kernel_on_cuda: bool = True):
     return lax.platform_dependent(*args, cuda=partial(pallas, interpret=False), default=xla)
 
 
+def pad_rows(x: jax.Array, block: int) -> jax.Array:
+    """``x`` ``[T, ...]`` padded to a multiple of ``block`` rows by repeating its last row (a kernel that stores rows:
+    each copy of a row then stores what the row stores)."""
+    return jnp.pad(x, [(0, -x.shape[0] % block)] + [(0, 0)] * (x.ndim - 1), mode="edge")
+
+
 def block_index(index: jax.Array, block: int) -> jax.Array:
-    """``index`` ``[T]`` padded to a multiple of ``block`` by repeating its last entry, as uint32 (never negative: no
-    wrap-around arithmetic in the kernel)."""
-    return jnp.pad(index, (0, -index.shape[0] % block), mode="edge").astype(jnp.uint32)
+    """``index`` ``[T]`` padded as ``pad_rows`` pads, as uint32 (never negative: no wrap-around arithmetic in the
+    kernel)."""
+    return pad_rows(index, block).astype(jnp.uint32)
 
 
-def block_columns(where: TileColumns, block: int, copies: bool) -> TileColumns:
-    """``where``'s columns padded to a multiple of ``block``, as ``block_index`` pads the rows: as copies of the last
-    column where ``copies`` (a kernel that stores rows: each copy of a row then stores what the row stores), else as
-    columns that are no target and not kept (a kernel that sums over the rows counts each row once)."""
+def block_columns(where: TileColumns, block: int) -> TileColumns:
+    """``where``'s columns padded to a multiple of ``block`` with columns that are no target and not kept (a kernel
+    that sums over the rows counts each row once; a kernel that stores rows pads its columns with ``pad_rows``)."""
     pad = -where.columns.shape[0] % block
-    if copies:
-        return where._replace(columns=jnp.pad(where.columns, (0, pad), mode="edge"),
-                              kept=jnp.pad(where.kept, (0, pad), mode="edge"))
     return where._replace(columns=jnp.pad(where.columns, (0, pad), constant_values=-2),  # rel is never below -1
                           kept=jnp.pad(where.kept, (0, pad)))
 

@@ -43,8 +43,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pallas_triton
 
 from jaxcls.losses import tiles
-from jaxcls.losses.kernel_forms import (block_batch, block_columns, block_index, compiler_params, kernel_forms, run,
-                                        sliced_products)
+from jaxcls.losses.kernel_forms import (block_batch, block_columns, block_index, compiler_params, kernel_forms,
+                                        pad_rows, run, sliced_products)
 from jaxcls.losses.margins import CombinedMargin
 from jaxcls.losses.rows_stats import fits_a_block
 from jaxcls.mesh import varying_axes, varying_like
@@ -96,32 +96,35 @@ def tile_backward(arrays: tuple, index, where: tiles.TileColumns, e_n, lse, g, m
                kernel_on_cuda=KERNEL_ON_CUDA)
 
 
-def _xla_form(arrays, index, where, e_n, lse, g, keep, *scalars, margin, rule, gathered, reads):
+def _xla_form(arrays, index, where, e_n, lse, g, keep, *scalars, margin, rule, gathered, reads, update=None):
+    """XLA's GEMMs on the gathered rows, then ``update(arrays, index, row_grad, keep, scalars, rule, reads)``: XLA's
+    gather and scatter (``_xla_update``), or the update kernel (``_update_given``)."""
     d_e, *row_grad = tiles.tile_grad_parts(e_n, gathered(), where, margin, lse, g)
     d_e = d_e.astype(jnp.float32)
     if keep is None:
         return d_e, arrays
+    return d_e, (update or _xla_update)(arrays, index, tuple(row_grad), keep, scalars, rule, reads)
+
+
+def _xla_update(arrays, index, row_grad, keep, scalars, rule, reads):
     old = tuple(a[index] for a in arrays)
-    new = rule(old, tuple(row_grad), index, *scalars)
+    new = rule(old, row_grad, index, *scalars)
     if reads:  # outputs filled tile by tile: rows not kept go to distinct indices past the end, which the scatter
         # drops, so what they hold is never read (a select would read each tile's old rows of the outputs for them)
         target = jnp.where(keep, index, arrays[0].shape[0] + jnp.arange(index.shape[0], dtype=index.dtype))
-        return d_e, arrays[:reads] + tuple(a.at[target].set(n, mode="drop", unique_indices=True)
-                                           for a, n in zip(arrays[reads:], new))
+        return arrays[:reads] + tuple(a.at[target].set(n, mode="drop", unique_indices=True)
+                                      for a, n in zip(arrays[reads:], new))
     # rows updated in place: the rule read the old rows, and the select of old and new fuses into the scatters (XLA
     # fused the optimizer's update into them less well when the rows not kept were dropped instead: 2.3 KB a sampled
     # row more with a bfloat16 weight and momentum, though 4.7 less with float32 ones; benchmarks/fc_bytes_per_row.py)
-    return d_e, tuple(a.at[index].set(jnp.where(keep[:, None], n, o), unique_indices=True)
-                      for a, n, o in zip(arrays, new, old))  # (reads is 0)
+    return tuple(a.at[index].set(jnp.where(keep[:, None], n, o), unique_indices=True)
+                 for a, n, o in zip(arrays, new, old))  # (reads is 0)
 
 
 def _pallas_form(arrays, index, where, e_n, lse, g, keep, *scalars, margin, rule, reads, gathered, interpret: bool):
     if not GEMMS_IN_KERNELS:
-        d_e, *row_grad = tiles.tile_grad_parts(e_n, gathered(), where, margin, lse, g)
-        if keep is None:
-            return d_e.astype(jnp.float32), arrays
-        return d_e.astype(jnp.float32), arrays[:reads] + _update_given(arrays, index, row_grad, keep, scalars, rule,
-                                                                       reads, interpret)
+        return _xla_form(arrays, index, where, e_n, lse, g, keep, *scalars, margin=margin, rule=rule,
+                         gathered=gathered, reads=reads, update=partial(_update_given, interpret=interpret))
     d_e = _embedding_grad(arrays[0], index, where, e_n, lse, g, margin, interpret)
     if keep is None:
         return d_e, arrays
@@ -134,7 +137,7 @@ def _embedding_grad(weight, index, where, e_n, lse, g, margin, interpret):
     batch_blocks = -(-n // GRAD_BLOCK_BATCH)
     shares = max(1, min(GRAD_PROGRAMS // batch_blocks, -(-index.shape[0] // GRAD_BLOCK_ROWS)))
     index = block_index(index, shares * GRAD_BLOCK_ROWS)  # padding rows: copies of the last, never kept
-    where = block_columns(where, shares * GRAD_BLOCK_ROWS, copies=False)
+    where = block_columns(where, shares * GRAD_BLOCK_ROWS)
     e_n, rel, lse, g = block_batch(GRAD_BLOCK_BATCH, e_n, where.rel, lse, g)
     share = index.shape[0] // shares
     rows = pl.BlockSpec((share,), lambda b, s: (s,))
@@ -173,24 +176,25 @@ def _embedding_grad_kernel(index_ref, columns_ref, kept_ref, rel_ref, lse_ref, g
 
 def _update(arrays, index, where, e_n, lse, g, keep, scalars, margin, rule, reads, interpret):
     """The update kernel that sums the rows' gradient over the batch itself (``_summed_row_grad``)."""
-    where = block_columns(where, UPDATE_BLOCK_ROWS, copies=True)
     e_n, rel, lse, g = block_batch(UPDATE_BLOCK_BATCH, e_n, where.rel, lse, g)
     return _update_call(arrays, index, keep, (where.columns, where.kept), (rel, lse, g, e_n), scalars,
                         partial(_summed_row_grad, margin=margin), rule, reads, interpret)
 
 
 def _update_given(arrays, index, row_grad, keep, scalars, rule, reads, interpret):
-    """The update kernel on the rows' gradient parts that XLA's GEMMs formed (``tiles.tile_grad_parts``)."""
-    return _update_call(arrays, index, keep, tuple(row_grad), (), scalars, _given_row_grad, rule, reads, interpret)
+    """The update kernel on the rows' gradient parts that XLA's GEMMs formed (``tiles.tile_grad_parts``): ``arrays``
+    with the written ones updated."""
+    return arrays[:reads] + _update_call(arrays, index, keep, row_grad, (), scalars, _given_row_grad, rule, reads,
+                                         interpret)
 
 
 def _update_call(arrays, index, keep, by_row, whole, scalars, row_grad, rule, reads, interpret):
     """One program per ``UPDATE_BLOCK_ROWS`` rows of ``index``: ``row_grad(index, weight_ref, *by_row blocks, *whole)``
     gives their gradient parts, ``rule`` their new rows, stored in place where ``keep``. ``by_row``: ``[T, ...]``
-    arrays read a block of rows at a time; ``whole``: arrays each program reads whole."""
-    pad = lambda x: jnp.pad(x, [(0, -x.shape[0] % UPDATE_BLOCK_ROWS)] + [(0, 0)] * (x.ndim - 1), mode="edge")
-    index = block_index(index, UPDATE_BLOCK_ROWS)  # padding rows: copies of the last, storing what it stores
-    by_row = tuple(map(pad, (keep, *by_row)))
+    arrays read a block of rows at a time; ``whole``: arrays each program reads whole. The rows are padded to whole
+    blocks with copies of the last (``pad_rows``), which store what it stores."""
+    index = block_index(index, UPDATE_BLOCK_ROWS)
+    by_row = tuple(pad_rows(x, UPDATE_BLOCK_ROWS) for x in (keep, *by_row))
     scalars = tuple(jnp.reshape(s, (1,)) for s in scalars)
     rows = lambda x: pl.BlockSpec((UPDATE_BLOCK_ROWS, *x.shape[1:]), lambda i: (i,) + (0,) * (x.ndim - 1))
     whole_spec = lambda x: pl.BlockSpec(x.shape, lambda i: (0,) * x.ndim)

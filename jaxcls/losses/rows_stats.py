@@ -59,7 +59,7 @@ def fits_a_block(weight, e_n) -> bool:
 
 def _pallas_form(weight, index, where, e_n, *, margin, interpret: bool):
     n, d = e_n.shape
-    index, where = block_index(index, BLOCK_ROWS), block_columns(where, BLOCK_ROWS, copies=False)
+    index, where = block_index(index, BLOCK_ROWS), block_columns(where, BLOCK_ROWS)
     e_n, rel = block_batch(BLOCK_BATCH, e_n, where.rel)
     row_blocks, batch_blocks = index.shape[0] // BLOCK_ROWS, e_n.shape[0] // BLOCK_BATCH
     rows = pl.BlockSpec((BLOCK_ROWS,), lambda b, r: (r,))
