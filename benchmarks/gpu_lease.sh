@@ -13,6 +13,8 @@
 # time limit). A job that finished in an earlier call on the same machine (still warm) is skipped, so a second call
 # with the same jobs goes on where the first stopped:
 #   mapfile -t jobs < docs/measurements/h100-DATE/jobs.txt; bash benchmarks/gpu_lease.sh "${jobs[@]}"
+# Ask the device tool for an H100 by name (kind nvidia-h100-x1): unnamed, it may start an H200, whose rows do not
+# compare with the H100 goals and earlier rows (the log names the card).
 # JOB_LIMIT (seconds, default 300) bounds each job. Carry two git-ignored folders with the call:
 #   .whl      jaxcls's dependencies the GPU image lacks, as cp312 wheels: `pip download --no-deps --only-binary=:all:
 #             --python-version 3.12 --platform manylinux2014_x86_64 --platform any -d .whl ml_collections

@@ -40,26 +40,31 @@ def time_ms(fn, *args, warmup: int = 3, iters: int = 20) -> float:
     return statistics.median(times)
 
 
-FC_KERNELS = ("xla", "pallas", "pallas_update")
+FC_KERNELS = ("xla", "pallas", "pallas_update", "pallas_product")
 FC_KERNELS_HELP = ("the FC path's row kernels (jaxcls.losses.rows_stats, rows_backward): xla, XLA's forms of both; "
                    "pallas, both Triton kernels (CUDA GPUs); pallas_update, the statistics kernel and XLA's GEMMs "
-                   "with the rows updated by a Triton kernel (rows_backward.GEMMS_IN_KERNELS off); default, each "
-                   "platform's own (on CUDA GPUs the statistics kernel and XLA's backward)")
+                   "with the rows updated by a Triton kernel (rows_backward.GEMMS_IN_KERNELS off); pallas_product, "
+                   "the same with the rows' product multiplied in that kernel (and PRODUCT_IN_UPDATE on); default, "
+                   "each platform's own (on CUDA GPUs the statistics kernel and XLA's backward)")
+# the rows_backward settings (GEMMS_IN_KERNELS, PRODUCT_IN_UPDATE) of each kernel form that sets them
+_BACKWARD_VARIANTS = {"pallas": (True, False), "pallas_update": (False, False), "pallas_product": (False, True)}
 
 
 @contextmanager
 def fc_kernels(form: str | None):
     """Within the block, trace the FC path's statistics pass and backward in ``form`` (None: by platform; see
     ``FC_KERNELS_HELP``)."""
-    gemms_in_kernels = rows_backward.GEMMS_IN_KERNELS
-    if form in ("pallas", "pallas_update"):
-        rows_backward.GEMMS_IN_KERNELS = form == "pallas"
-    kernel = "pallas" if form == "pallas_update" else form
+    names = ("GEMMS_IN_KERNELS", "PRODUCT_IN_UPDATE")
+    before = [getattr(rows_backward, name) for name in names]
+    for name, value in zip(names, _BACKWARD_VARIANTS.get(form, before)):
+        setattr(rows_backward, name, value)
+    kernel = "pallas" if form in _BACKWARD_VARIANTS else form
     try:
         with rows_stats.forced(kernel), rows_backward.forced(kernel):
             yield
     finally:
-        rows_backward.GEMMS_IN_KERNELS = gemms_in_kernels
+        for name, value in zip(names, before):
+            setattr(rows_backward, name, value)
 
 
 def compiled_memory(compiled) -> dict:

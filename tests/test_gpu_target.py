@@ -130,14 +130,16 @@ def test_the_fc_rows_are_read_by_index_and_updated_by_kernels_that_touch_each_on
 
 @pytest.mark.slow
 @pytest.mark.gpu_target
-def test_the_update_kernel_alone_updates_the_rows_in_place_after_xlas_gemms():
+@pytest.mark.parametrize("backward", ["pallas_update", "pallas_product"])
+def test_the_update_kernel_alone_updates_the_rows_in_place_after_xlas_gemms(backward):
     """With rows_backward.GEMMS_IN_KERNELS off (``--fc-kernels pallas_update``) XLA's GEMMs form the embeddings' and
     the rows' gradients from one gathered copy of the weight's rows, and rows_update, once per tile, reads the rows
     and their momentum by index and writes them in place: no scatter and no gathered momentum in the tile loops
     (XLA's form gathers both and scatters each, re-reading the gathered rows: 18.1 KB a sampled row at batch 128,
     D = 512, bfloat16, against this form's 13.1; benchmarks/fc_bytes_per_row.py), and no temporary that grows with
-    the classes."""
-    (small_run, small), (big_run, big) = (compiled_at(rows, backward="pallas_update") for rows in ROWS)
+    the classes. With PRODUCT_IN_UPDATE as well (``pallas_product``) the kernel multiplies the rows' product itself:
+    no GEMM in the tile loops writes a ``[T, D]`` array."""
+    (small_run, small), (big_run, big) = (compiled_at(rows, backward=backward) for rows in ROWS)
     text = small.as_text()
     found = kernels(text)
     ours = [k for k in found if "/rows_update/pallas_call" in k.origin]
@@ -149,6 +151,9 @@ def test_the_update_kernel_alone_updates_the_rows_in_place_after_xlas_gemms():
     tile = 1024 * D * 2  # chunk_size rows of the bfloat16 weight
     # the weight's rows read and their copy written, alone (0: XLA named the fusion otherwise, or fused the gather)
     assert tile * 2 <= gathered < tile * 3, gathered / tile
+    # the rows' product [T, D] in the compute dtype, written for the kernel (the other GEMMs write float32 arrays)
+    products = [k.name for k in in_loops if k.kind == "GEMM" and k.dtype == "bf16" and k.result_bytes == tile]
+    assert len(products) == (backward == "pallas_update"), products
     launches = [line for line in text.splitlines() if 'name = "rows_update"' in line]
     assert launches and all("output_to_operand_aliasing" in line for line in launches)  # in place
     extra = big.memory_analysis().temp_size_in_bytes - small.memory_analysis().temp_size_in_bytes
@@ -197,14 +202,17 @@ def test_the_fc_path_moves_at_most_8_kb_per_sampled_row(tmp_path):
     ("sgd", "float32", "float32", "bfloat16", "cosface", "nearest"),
     ("adamw", "float32", "float32", "float16", "arcface", "nearest"),
     ("sgd", "bfloat16", "bfloat16", "bfloat16", "cosface", "stochastic")])
-@pytest.mark.parametrize("gemms_in_kernels", [True, False], ids=["kernels", "update_kernel_alone"])
+@pytest.mark.parametrize("gemms_in_kernels,product_in_update", [(True, False), (False, False), (False, True)],
+                         ids=["kernels", "update_kernel_alone", "update_kernel_multiplying"])
 def test_the_row_kernels_compile_for_an_h100_at_full_size(optimizer, weight, state, embeddings, margin, rounding,
-                                                          gemms_in_kernels, monkeypatch):
-    """Each FC row kernel (statistics, embeddings' gradient, update; or the update alone after XLA's GEMMs) through
-    Triton for an H100 at D = 512, a 65,536-row tile, N = 128, for each optimizer rule, storage, compute dtype, margin
-    family (acos for SphereFace) and the weight's rounding (stochastic: integer hashing): a rule or margin with an
-    operation Triton lacks, or a block too large for an SM, fails here rather than in a lease."""
+                                                          gemms_in_kernels, product_in_update, monkeypatch):
+    """Each FC row kernel (statistics, embeddings' gradient, update; or the update alone after XLA's GEMMs, given the
+    rows' product or multiplying it) through Triton for an H100 at D = 512, a 65,536-row tile, N = 128, for each
+    optimizer rule, storage, compute dtype, margin family (acos for SphereFace) and the weight's rounding
+    (stochastic: integer hashing): a rule or margin with an operation Triton lacks, or a block too large for an SM,
+    fails here rather than in a lease."""
     monkeypatch.setattr(rows_backward, "GEMMS_IN_KERNELS", gemms_in_kernels)
+    monkeypatch.setattr(rows_backward, "PRODUCT_IN_UPDATE", product_in_update)
     compiled = benchmark("fc_kernels").compile_row_kernels(gpu_target.gpu_devices("h100", 1)[0], optimizer, weight,
                                                            state, embeddings, margin, rounding)
     text = compiled.as_text()

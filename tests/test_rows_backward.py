@@ -18,8 +18,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxcls.losses import kernel_forms, rows_backward, tiles
 from reference import MARGINS, adamw_step, margin_target, rel_err, sgd_step
 
-# XLA's form, the kernels (interpreted), and the update kernel alone on XLA's GEMMs (rows_backward.GEMMS_IN_KERNELS off)
-FORMS = ("xla", "pallas_interpret", "update_kernel_interpret")
+# each form: (the form forced, rows_backward.GEMMS_IN_KERNELS, PRODUCT_IN_UPDATE): XLA's form, the kernels
+# (interpreted), the update kernel alone on XLA's GEMMs, and that kernel multiplying the rows' product itself
+VARIANTS = {"xla": ("xla", True, False), "pallas_interpret": ("pallas_interpret", True, False),
+            "update_kernel_interpret": ("pallas_interpret", False, False),
+            "product_kernel_interpret": ("pallas_interpret", False, True)}
+FORMS = tuple(VARIANTS)
 
 
 def draw_tile(rng, dtype):
@@ -71,9 +75,9 @@ def tile_lse(e_n, rows, margin, where, rng):
 def backward(form, arrays, index, where, e_n, lse, g, margin, *update, reads=0):
     """``tile_backward`` jitted in ``form``; ``update``: ``(keep, rule, *scalars)`` or nothing."""
     keep, rule, *scalars = update or (None, None)
-    update_alone = form == "update_kernel_interpret"
-    with rows_backward.forced("pallas_interpret" if update_alone else form), \
-            mock.patch.object(rows_backward, "GEMMS_IN_KERNELS", not update_alone):
+    forced, gemms_in_kernels, product_in_update = VARIANTS[form]
+    with rows_backward.forced(forced), mock.patch.object(rows_backward, "GEMMS_IN_KERNELS", gemms_in_kernels), \
+            mock.patch.object(rows_backward, "PRODUCT_IN_UPDATE", product_in_update):
         step = jax.jit(lambda arrays, e_n, keep, scalars: rows_backward.tile_backward(
             arrays, index, where, e_n, lse, g, margin, lambda: arrays[0][index],
             *(() if keep is None else (keep, rule, *scalars)), reads=reads))
@@ -194,6 +198,7 @@ def test_the_kernels_are_used_only_where_they_can_be(rng):
                                                           jnp.ones(10, bool), keep_rows))((weight, *slots)))
     assert trace("pallas_interpret", 32).count("pallas_call") == 2  # the embeddings' gradient, then the update
     assert trace("update_kernel_interpret", 32).count("pallas_call") == 1  # the update alone
+    assert trace("product_kernel_interpret", 32).count("pallas_call") == 1  # the update multiplying the product
     assert "pallas_call" not in trace("xla", 32)
     assert "pallas_call" not in trace("pallas_interpret", 24)  # not a power of two
     assert "pallas_call" not in trace("pallas_interpret", 32, rows=(12,))  # a slot's rows of 12: no Triton block

@@ -7,7 +7,7 @@ hit L1/L2; not yet measured).
 ``(d_e, arrays)``: the gradient ``[N, D]`` float32 of ``Σ_n g[n]·loss[n]`` w.r.t. ``e_n`` through the tile of rows
 ``index`` of ``arrays[0]`` (the weight), and ``arrays`` (the weight and its optimizer slots, all ``[C_local, ...]``)
 with the rows ``index`` replaced where ``keep`` holds by ``rule(rows, (product, radial), index, *scalars)``, the
-rows' gradient in ``tiles.tile_grad_parts``' two parts. Two forms compute it, the first in two variants:
+rows' gradient in ``tiles.tile_grad_parts``' two parts. Two forms compute it, the first in three variants:
 
 - ``"pallas"`` (when forced, or on CUDA GPUs where ``KERNEL_ON_CUDA``): two Triton kernels that read the rows by
   index and recompute each block's cosines and their gradient on chip from the tile's log-sum-exp (no ``[N, T]``
@@ -19,7 +19,10 @@ rows' gradient in ``tiles.tile_grad_parts``' two parts. Two forms compute it, th
   With ``GEMMS_IN_KERNELS`` off, XLA's GEMMs give ``d_e`` (rounded as in XLA's form) and the rows' gradient parts
   from a gathered copy of the weight's rows, and only the update is a kernel: one program per block of rows reads
   the rows' product, the rows and their slots by index and stores the new rows in place, each row read and written
-  once, with no loop over the batch.
+  once, with no loop over the batch. With ``PRODUCT_IN_UPDATE`` as well, XLA's GEMM gives ``d_e`` alone, and the
+  update kernel multiplies its rows' product itself from the cosines' gradient ``[N, T]`` (the GEMM's operand,
+  ``N`` values a row) and the embeddings, which every program reads (from L2: ``N·D`` a block of rows), instead
+  of reading a ``[T, D]`` product that XLA wrote.
 - ``"xla"`` (the default on every platform, CUDA GPUs included: an H100 timed it faster than the untuned kernels;
   always for rows a Triton block does not fit, and for rows replicated over mesh axes that hold other embeddings,
   whose gradient is a sum over devices that autodiff forms and no kernel sees): ``gathered()`` (the rows as the
@@ -59,6 +62,8 @@ UPDATE_WARPS = 8
 GRAD_BLOCK_DIM = UPDATE_BLOCK_DIM = 64  # the cosines' products take the embedding dimension in slices of this many
 GRAD_STAGES = UPDATE_STAGES = 1  # Triton's software-pipelining stages of each kernel's loop
 GEMMS_IN_KERNELS = True  # False: XLA's GEMMs form d_e and the rows' product, a kernel only updates the rows
+PRODUCT_IN_UPDATE = False  # with GEMMS_IN_KERNELS off: XLA's GEMM forms d_e alone, the update kernel the product
+PRODUCT_BLOCK_BATCH = 32  # embeddings per step of that kernel's product (126 registers a thread at 8 warps, no spills)
 # Chosen by registers, compiled for an H100 (benchmarks/fc_kernels.py --registers): 128 a thread in both kernels, no
 # spills, two programs an SM. Not yet timed: the settings an H100 timed on 2026-11-26 (whole-D products, 32
 # embeddings a block, 4 warps in the update: 202 and 255 registers, spills) took 1.3-1.5x the time of XLA's form for a
@@ -96,10 +101,12 @@ def tile_backward(arrays: tuple, index, where: tiles.TileColumns, e_n, lse, g, m
                kernel_on_cuda=KERNEL_ON_CUDA)
 
 
-def _xla_form(arrays, index, where, e_n, lse, g, keep, *scalars, margin, rule, gathered, reads, update=None):
+def _xla_form(arrays, index, where, e_n, lse, g, keep, *scalars, margin, rule, gathered, reads, update=None,
+              multiplied=True):
     """XLA's GEMMs on the gathered rows, then ``update(arrays, index, row_grad, keep, scalars, rule, reads)``: XLA's
-    gather and scatter (``_xla_update``), or the update kernel (``_update_given``)."""
-    d_e, *row_grad = tiles.tile_grad_parts(e_n, gathered(), where, margin, lse, g)
+    gather and scatter (``_xla_update``), or the update kernel (``_update_given``; ``_update_multiplying``, which
+    gets the product's factor, where not ``multiplied``: ``tiles.tile_grad_parts``)."""
+    d_e, *row_grad = tiles.tile_grad_parts(e_n, gathered(), where, margin, lse, g, multiplied)
     d_e = d_e.astype(jnp.float32)
     if keep is None:
         return d_e, arrays
@@ -123,8 +130,10 @@ def _xla_update(arrays, index, row_grad, keep, scalars, rule, reads):
 
 def _pallas_form(arrays, index, where, e_n, lse, g, keep, *scalars, margin, rule, reads, gathered, interpret: bool):
     if not GEMMS_IN_KERNELS:
+        update = partial(_update_multiplying, e_n=e_n) if PRODUCT_IN_UPDATE else _update_given
         return _xla_form(arrays, index, where, e_n, lse, g, keep, *scalars, margin=margin, rule=rule,
-                         gathered=gathered, reads=reads, update=partial(_update_given, interpret=interpret))
+                         gathered=gathered, reads=reads, update=partial(update, interpret=interpret),
+                         multiplied=not PRODUCT_IN_UPDATE)
     d_e = _embedding_grad(arrays[0], index, where, e_n, lse, g, margin, interpret)
     if keep is None:
         return d_e, arrays
@@ -188,6 +197,17 @@ def _update_given(arrays, index, row_grad, keep, scalars, rule, reads, interpret
                                          interpret)
 
 
+def _update_multiplying(arrays, index, row_grad, keep, scalars, rule, reads, *, e_n, interpret):
+    """The update kernel that multiplies the rows' product from its factor ``[N, T]`` and ``e_n`` ``[N, D]``
+    (``tiles.tile_grad_parts`` not ``multiplied``): ``arrays`` with the written ones updated. The factor's columns
+    are padded as ``pad_rows`` pads the rows, the batch with zero embeddings."""
+    factor, radial = row_grad
+    batch_pad = ((0, -e_n.shape[0] % PRODUCT_BLOCK_BATCH), (0, 0))
+    factor = jnp.pad(pad_rows(factor.T, UPDATE_BLOCK_ROWS).T, batch_pad)
+    return arrays[:reads] + _update_call(arrays, index, keep, (radial,), (factor, jnp.pad(e_n, batch_pad)), scalars,
+                                         _multiplied_row_grad, rule, reads, interpret)
+
+
 def _update_call(arrays, index, keep, by_row, whole, scalars, row_grad, rule, reads, interpret):
     """One program per ``UPDATE_BLOCK_ROWS`` rows of ``index``: ``row_grad(index, weight_ref, *by_row blocks, *whole)``
     gives their gradient parts, ``rule`` their new rows, stored in place where ``keep``. ``by_row``: ``[T, ...]``
@@ -228,6 +248,22 @@ def _update_kernel(index_ref, keep_ref, *refs, row_grad, rule, num_by_row, num_w
 
 def _given_row_grad(index, weight_ref, product_ref, radial_ref):
     return product_ref[...], radial_ref[...]
+
+
+def _multiplied_row_grad(index, weight_ref, radial_ref, factor_ref, e_ref):
+    """The rows' product ``factor[:, rows]ᵀ e_n`` (multiplied in the factor's dtype, rounded to the embeddings' as
+    XLA's form rounds it), ``PRODUCT_BLOCK_BATCH`` embeddings at a time, and their radial part."""
+    rows = pl.ds(pl.program_id(0) * UPDATE_BLOCK_ROWS, UPDATE_BLOCK_ROWS)
+    dtype = factor_ref.dtype
+
+    def add_block(b, product):
+        at = pl.ds(b * PRODUCT_BLOCK_BATCH, PRODUCT_BLOCK_BATCH)
+        factor, e = factor_ref[at, rows], e_ref[at, :].astype(dtype)
+        return product + pallas_triton.dot(factor, e, trans_a=True).astype(jnp.float32)
+
+    product = lax.fori_loop(0, e_ref.shape[0] // PRODUCT_BLOCK_BATCH, add_block,
+                            jnp.zeros((index.shape[0], e_ref.shape[1]), jnp.float32))
+    return product.astype(e_ref.dtype), radial_ref[...]
 
 
 def _summed_row_grad(index, weight_ref, columns_ref, kept_ref, rel_ref, lse_ref, g_ref, e_ref, *, margin):
