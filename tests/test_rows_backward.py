@@ -117,10 +117,12 @@ def test_every_form_gives_the_float64_gradients_of_the_embeddings_and_the_kept_r
     rows, kept = np.asarray(index), np.asarray(keep)
     # float32 cosines of s = 64 logits, or 16-bit embeddings and rows (bfloat16: 8 bits) rounded once per tile
     tolerance = {jnp.float32: 1e-4, jnp.bfloat16: 3e-2, jnp.float16: 5e-3}[dtype]
+    row_grads = {}
     for form in FORMS:
         sink = jnp.zeros(weight.shape, jnp.float32)
         d_e, (same, grads) = backward(form, (weight, sink), index, where, e_n, jnp.asarray(lse, jnp.float32),
                                       jnp.asarray(g, jnp.float32), margin, keep, gradient_rule, reads=1)
+        row_grads[form] = np.asarray(grads)[rows[kept]]
         assert d_e.dtype == jnp.float32 and rel_err(np.asarray(d_e), want_e) < tolerance, form
         assert rel_err(np.asarray(grads)[rows[kept]], np.asarray(want_w)[kept]) < tolerance, form
         untouched = np.setdiff1d(np.arange(len(weight)), rows[kept])
@@ -129,6 +131,10 @@ def test_every_form_gives_the_float64_gradients_of_the_embeddings_and_the_kept_r
                                         jnp.asarray(g, jnp.float32), margin)
         np.testing.assert_array_equal(d_e_alone, d_e, err_msg=form)
         assert np.array_equal(unchanged[0], weight), form
+    # the update kernel multiplying the product rounds it to the embeddings' dtype as XLA's GEMM does: 16-bit
+    # products equal but where the two float32 sums straddle a rounding cut
+    given, multiplied = row_grads["update_kernel_interpret"], row_grads["product_kernel_interpret"]
+    assert rel_err(multiplied, given) < 1e-5 if dtype == jnp.float32 else np.mean(multiplied == given) > 0.99
 
 
 # (optimizer, weight dtype, state dtype, weight rounding)
@@ -197,8 +203,11 @@ def test_the_kernels_are_used_only_where_they_can_be(rng):
         return str(jax.make_jaxpr(lambda arrays: backward(form, arrays, index, where, e_n, lse, g, MARGINS["cosface"],
                                                           jnp.ones(10, bool), keep_rows))((weight, *slots)))
     assert trace("pallas_interpret", 32).count("pallas_call") == 2  # the embeddings' gradient, then the update
-    assert trace("update_kernel_interpret", 32).count("pallas_call") == 1  # the update alone
-    assert trace("product_kernel_interpret", 32).count("pallas_call") == 1  # the update multiplying the product
+    for form, multiplies in (("update_kernel_interpret", False), ("product_kernel_interpret", True)):
+        with mock.patch.object(rows_backward, "_multiplied_row_grad",
+                               side_effect=rows_backward._multiplied_row_grad) as multiplied:
+            assert trace(form, 32).count("pallas_call") == 1  # the update alone, given or multiplying the product
+        assert multiplied.called == multiplies, form
     assert "pallas_call" not in trace("xla", 32)
     assert "pallas_call" not in trace("pallas_interpret", 24)  # not a power of two
     assert "pallas_call" not in trace("pallas_interpret", 32, rows=(12,))  # a slot's rows of 12: no Triton block

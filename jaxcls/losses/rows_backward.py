@@ -61,15 +61,16 @@ UPDATE_BLOCK_BATCH = 16  # update reads the whole batch, this many embeddings at
 UPDATE_WARPS = 8
 GRAD_BLOCK_DIM = UPDATE_BLOCK_DIM = 64  # the cosines' products take the embedding dimension in slices of this many
 GRAD_STAGES = UPDATE_STAGES = 1  # Triton's software-pipelining stages of each kernel's loop
-GEMMS_IN_KERNELS = True  # False: XLA's GEMMs form d_e and the rows' product, a kernel only updates the rows
-PRODUCT_IN_UPDATE = False  # with GEMMS_IN_KERNELS off: XLA's GEMM forms d_e alone, the update kernel the product
-PRODUCT_BLOCK_BATCH = 32  # embeddings per step of that kernel's product (126 registers a thread at 8 warps, no spills)
 # Chosen by registers, compiled for an H100 (benchmarks/fc_kernels.py --registers): 128 a thread in both kernels, no
 # spills, two programs an SM. Not yet timed: the settings an H100 timed on 2026-11-26 (whole-D products, 32
 # embeddings a block, 4 warps in the update: 202 and 255 registers, spills) took 1.3-1.5x the time of XLA's form for a
 # 65,536-row tile at N = 128, and the chunked loss about 3x at N = 512, so XLA's form is the default on CUDA GPUs too
 # (forced("pallas") runs the kernels) until timed kernels beat it (fc_kernels.py --set rows_backward.NAME=V1,V2).
 KERNEL_ON_CUDA = False
+GEMMS_IN_KERNELS = True  # False: XLA's GEMMs form d_e and (unless PRODUCT_IN_UPDATE) the rows' product; a kernel
+# updates the rows
+PRODUCT_IN_UPDATE = False  # with GEMMS_IN_KERNELS off: XLA's GEMM forms d_e alone, the update kernel the product
+PRODUCT_BLOCK_BATCH = 32  # embeddings per step of that kernel's product (bfloat16: 126 registers at 8 warps, no spills)
 _FORM = kernel_forms("rows-backward form")
 forced = _FORM.forced  # forced(form): within the block, trace every tile_backward in that form (None: by platform)
 
