@@ -12,6 +12,8 @@ rows update (``jaxcls.losses.rows_backward``), on one tile of sampled rows.
                                               # compile-only, no GPU: registers, spills, programs per SM
     python benchmarks/fc_kernels.py --kernel backward --set rows_backward.GEMMS_IN_KERNELS=0 \
         --set rows_backward.PRODUCT_IN_UPDATE=0,1   # XLA's GEMMs and the update kernel given or multiplying the product
+    python benchmarks/fc_kernels.py --kernel backward --set rows_backward.GEMMS_IN_KERNELS=0 \
+        --set rows_backward.PRODUCT_IN_UPDATE=1 --set rows_backward.FACTOR_IN_KERNEL=0,1   # its factor from XLA or not
 
 Rows (``kernel``: ``stats``, ``embedding_grad`` (the backward without the update: in the kernel form its first kernel
 alone), ``backward``; ``case``; ``form``): the median ms of one call, synchronized, after warm-up (the update steps the
@@ -121,8 +123,8 @@ def embedding_grad_row(weight_dtype, form, c, d, t, n, iters, warmup, rng):
 def compile_row_kernels(device, optimizer="sgd", weight="bfloat16", state="bfloat16", embeddings="bfloat16",
                         margin="arcface", rounding="nearest", n=128, options=None):
     """The row kernels (statistics, embeddings' gradient, update; with ``rows_backward.GEMMS_IN_KERNELS`` off the
-    statistics and the update alone, which multiplies the rows' product itself where ``PRODUCT_IN_UPDATE``) of one
-    65,536-row tile of a 1M × 512 weight,
+    statistics and the update alone, which multiplies the rows' product itself where ``PRODUCT_IN_UPDATE``, from a
+    factor that ``rows_factor`` writes where ``FACTOR_IN_KERNEL``) of one 65,536-row tile of a 1M × 512 weight,
     compiled by XLA for ``device`` (e.g. ``gpu_target.gpu_devices("h100", 1)[0]``: no GPU needed) with ``options``
     added to ``gpu_target.COMPILE_OPTIONS``."""
     at = lambda shape, dtype: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=SingleDeviceSharding(device))

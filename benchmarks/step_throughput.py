@@ -10,8 +10,8 @@
 
 Extra ``--set key=value`` pairs override config keys (e.g. ``--set chunk_size=65536``); ``--grouped-conv xla``
 times mbf with XLA's grouped convolutions (the form before ``jaxcls.models.grouped_conv``) for a before/after, and
-``--fc-kernels xla|pallas|pallas_update|pallas_product`` the FC path in one form (``jaxcls.losses.rows_stats``,
-``rows_backward``; by default each platform's own).
+``--fc-kernels xla|pallas|pallas_update|pallas_product|pallas_factor`` the FC path in one form
+(``jaxcls.losses.rows_stats``, ``rows_backward``; by default each platform's own).
 
 Timing is arcface_torch_bench.py's: each step synchronized (its outputs ready before the next is dispatched), the
 median of ``--steps`` (default 40) after ``--warmup`` (default 15) steps; img/s is the batch over that median.

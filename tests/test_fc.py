@@ -204,28 +204,30 @@ def test_one_byte_state_matches_the_autodiff_route(state_dtype, as_bits, rng, mo
         assert np.array_equal(np.asarray(a)[untouched], np.asarray(b)[untouched])
 
 
-# rows_backward's (GEMMS_IN_KERNELS, PRODUCT_IN_UPDATE)
-@pytest.mark.parametrize("gemms_in_kernels,product_in_update", [(True, False), (False, False), (False, True)],
-                         ids=["kernels", "update_kernel_alone", "update_kernel_multiplying"])
+# rows_backward's (GEMMS_IN_KERNELS, PRODUCT_IN_UPDATE, FACTOR_IN_KERNEL)
+@pytest.mark.parametrize("variant", [(True, False, False), (False, False, False), (False, True, False),
+                                     (False, True, True)],
+                         ids=["kernels", "update_kernel_alone", "update_kernel_multiplying", "factor_kernel"])
 @pytest.mark.parametrize("layout,case", [(LAYOUTS[0], CASES[1]), (LAYOUTS[1], CASES[3])], ids=str)
-def test_fused_step_through_the_row_kernels_equals_dense_float64_reference(layout, case, gemms_in_kernels,
-                                                                           product_in_update, rng, monkeypatch):
+def test_fused_step_through_the_row_kernels_equals_dense_float64_reference(layout, case, variant, rng, monkeypatch):
     """The step as a CUDA GPU runs it, its statistics and backward in jaxcls.losses' Pallas kernels (in Pallas'
     interpreter here), against float64: tiles that overlap, a sample, both optimizers; the backward's two kernels, or
     XLA's GEMMs and the update kernel alone (rows_backward.GEMMS_IN_KERNELS off), or XLA's GEMM of the embeddings'
-    gradient and the update kernel multiplying the rows' product (PRODUCT_IN_UPDATE on). The interpreter runs inside
+    gradient and the update kernel multiplying the rows' product (PRODUCT_IN_UPDATE on), whose factor may come from
+    the rows_factor kernel (FACTOR_IN_KERNEL on). The interpreter runs inside
     shard_map only without its check of how values vary over the mesh, which the layouts here do not need (the rows
     vary over every axis the embeddings do)."""
     monkeypatch.setattr(jax, "shard_map", functools.partial(jax.shard_map, check_vma=False))
-    monkeypatch.setattr(rows_backward, "GEMMS_IN_KERNELS", gemms_in_kernels)
-    monkeypatch.setattr(rows_backward, "PRODUCT_IN_UPDATE", product_in_update)
+    for name, value in zip(("GEMMS_IN_KERNELS", "PRODUCT_IN_UPDATE", "FACTOR_IN_KERNEL"), variant):
+        monkeypatch.setattr(rows_backward, name, value)
     (mesh_shape, class_axes), (rate, chunk, optimizer) = layout, case
     head, weight, state, emb, labels, sample = setup(rng, mesh_shape, class_axes, rate, chunk or 24, optimizer, d=32)
     lr = float(rng.uniform(0.01, 0.5))
     with rows_backward.forced("pallas_interpret"), rows_stats.forced("pallas_interpret"):
         traced = str(jax.make_jaxpr(lambda *a: head.step(*a, lr))(weight, state, emb, labels, sample))
         result = run(head, weight, state, emb, labels, sample, lr)
-    assert traced.count("pallas_call") == (3 if gemms_in_kernels else 2)  # statistics, [embeddings' gradient,] update
+    gemms_in_kernels, _, factor_in_kernel = variant  # statistics, [embeddings' gradient or the factor,] update
+    assert traced.count("pallas_call") == (3 if gemms_in_kernels or factor_in_kernel else 2)
     check_step_against_reference(head, optimizer, (weight, state, emb, labels, sample and sample.rows, lr), result)
 
 

@@ -130,7 +130,7 @@ def test_the_fc_rows_are_read_by_index_and_updated_by_kernels_that_touch_each_on
 
 @pytest.mark.slow
 @pytest.mark.gpu_target
-@pytest.mark.parametrize("backward", ["pallas_update", "pallas_product"])
+@pytest.mark.parametrize("backward", ["pallas_update", "pallas_product", "pallas_factor"])
 def test_the_update_kernel_alone_updates_the_rows_in_place_after_xlas_gemms(backward):
     """With rows_backward.GEMMS_IN_KERNELS off (``--fc-kernels pallas_update``) XLA's GEMMs form the embeddings' and
     the rows' gradients from one gathered copy of the weight's rows, and rows_update, once per tile, reads the rows
@@ -138,7 +138,8 @@ def test_the_update_kernel_alone_updates_the_rows_in_place_after_xlas_gemms(back
     (XLA's form gathers both and scatters each, re-reading the gathered rows: 18.1 KB a sampled row at batch 128,
     D = 512, bfloat16, against this form's 13.1; benchmarks/fc_bytes_per_row.py), and no temporary that grows with
     the classes. With PRODUCT_IN_UPDATE as well (``pallas_product``) the kernel multiplies the rows' product itself:
-    no GEMM in the tile loops writes a ``[T, D]`` array."""
+    no GEMM in the tile loops writes a ``[T, D]`` array. With FACTOR_IN_KERNEL too (``pallas_factor``) rows_factor,
+    once per tile, reads the rows by index and writes their copy for the embeddings' GEMM: nothing is gathered."""
     (small_run, small), (big_run, big) = (compiled_at(rows, backward=backward) for rows in ROWS)
     text = small.as_text()
     found = kernels(text)
@@ -149,8 +150,11 @@ def test_the_update_kernel_alone_updates_the_rows_in_place_after_xlas_gemms(back
     assert not [k.origin for k in in_loops if "/scatter" in k.origin]
     gathered = sum(k.moved_bytes for k in in_loops if "gather" in k.name)  # fusions named by the ops they fuse
     tile = 1024 * D * 2  # chunk_size rows of the bfloat16 weight
-    # the weight's rows read and their copy written, alone (0: XLA named the fusion otherwise, or fused the gather)
-    assert tile * 2 <= gathered < tile * 3, gathered / tile
+    factors = [k for k in found if "/rows_factor/pallas_call" in k.origin]
+    if backward == "pallas_factor":
+        assert gathered == 0 and len(factors) == 1 and factors[0].count > 1, (gathered, factors)
+    else:  # the weight's rows read and their copy written, alone (0: XLA named the fusion otherwise, or fused it)
+        assert tile * 2 <= gathered < tile * 3 and not factors, gathered / tile
     # the rows' product [T, D] in the compute dtype, written for the kernel (the other GEMMs write float32 arrays)
     products = [k.name for k in in_loops if k.kind == "GEMM" and k.dtype == "bf16" and k.result_bytes == tile]
     assert len(products) == (backward == "pallas_update"), products
@@ -202,24 +206,26 @@ def test_the_fc_path_moves_at_most_8_kb_per_sampled_row(tmp_path):
     ("sgd", "float32", "float32", "bfloat16", "cosface", "nearest"),
     ("adamw", "float32", "float32", "float16", "arcface", "nearest"),
     ("sgd", "bfloat16", "bfloat16", "bfloat16", "cosface", "stochastic")])
-@pytest.mark.parametrize("gemms_in_kernels,product_in_update", [(True, False), (False, False), (False, True)],
-                         ids=["kernels", "update_kernel_alone", "update_kernel_multiplying"])
+@pytest.mark.parametrize("variant", [(True, False, False), (False, False, False), (False, True, False),
+                                     (False, True, True)],
+                         ids=["kernels", "update_kernel_alone", "update_kernel_multiplying", "factor_kernel"])
 def test_the_row_kernels_compile_for_an_h100_at_full_size(optimizer, weight, state, embeddings, margin, rounding,
-                                                          gemms_in_kernels, product_in_update, monkeypatch):
+                                                          variant, monkeypatch):
     """Each FC row kernel (statistics, embeddings' gradient, update; or the update alone after XLA's GEMMs, given the
-    rows' product or multiplying it) through Triton for an H100 at D = 512, a 65,536-row tile, N = 128, for each
-    optimizer rule, storage, compute dtype, margin family (acos for SphereFace) and the weight's rounding
-    (stochastic: integer hashing): a rule or margin with an operation Triton lacks, or a block too large for an SM,
-    fails here rather than in a lease."""
-    monkeypatch.setattr(rows_backward, "GEMMS_IN_KERNELS", gemms_in_kernels)
-    monkeypatch.setattr(rows_backward, "PRODUCT_IN_UPDATE", product_in_update)
+    rows' product or multiplying it, its factor from XLA or from rows_factor) through Triton for an H100 at D = 512,
+    a 65,536-row tile, N = 128, for each optimizer rule, storage, compute dtype, margin family (acos for SphereFace)
+    and the weight's rounding (stochastic: integer hashing): a rule or margin with an operation Triton lacks, or a
+    block too large for an SM, fails here rather than in a lease."""
+    for name, value in zip(("GEMMS_IN_KERNELS", "PRODUCT_IN_UPDATE", "FACTOR_IN_KERNEL"), variant):
+        monkeypatch.setattr(rows_backward, name, value)
     compiled = benchmark("fc_kernels").compile_row_kernels(gpu_target.gpu_devices("h100", 1)[0], optimizer, weight,
                                                            state, embeddings, margin, rounding)
     text = compiled.as_text()
-    expected = ("rows_stats", "rows_embedding_grad", "rows_update") if gemms_in_kernels else ("rows_stats",
-                                                                                              "rows_update")
-    assert {kernel for kernel in ("rows_stats", "rows_embedding_grad", "rows_update")
-            if f'name = "{kernel}"' in text} == set(expected)
+    gemms_in_kernels, _, factor_in_kernel = variant
+    expected = {"rows_stats", "rows_update"} | ({"rows_embedding_grad"} if gemms_in_kernels else set()) | (
+        {"rows_factor"} if factor_in_kernel else set())
+    assert {kernel for kernel in ("rows_stats", "rows_embedding_grad", "rows_factor", "rows_update")
+            if f'name = "{kernel}"' in text} == expected
 
 
 @pytest.mark.gpu_target

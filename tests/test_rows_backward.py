@@ -18,11 +18,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxcls.losses import kernel_forms, rows_backward, tiles
 from reference import MARGINS, adamw_step, margin_target, rel_err, sgd_step
 
-# each form: (the form forced, rows_backward.GEMMS_IN_KERNELS, PRODUCT_IN_UPDATE): XLA's form, the kernels
-# (interpreted), the update kernel alone on XLA's GEMMs, and that kernel multiplying the rows' product itself
-VARIANTS = {"xla": ("xla", True, False), "pallas_interpret": ("pallas_interpret", True, False),
-            "update_kernel_interpret": ("pallas_interpret", False, False),
-            "product_kernel_interpret": ("pallas_interpret", False, True)}
+# each form: (the form forced, rows_backward.GEMMS_IN_KERNELS, PRODUCT_IN_UPDATE, FACTOR_IN_KERNEL): XLA's form,
+# the kernels (interpreted), the update kernel alone on XLA's GEMMs, that kernel multiplying the rows' product
+# itself, and with the product's factor from the rows_factor kernel
+VARIANTS = {"xla": ("xla", True, False, False), "pallas_interpret": ("pallas_interpret", True, False, False),
+            "update_kernel_interpret": ("pallas_interpret", False, False, False),
+            "product_kernel_interpret": ("pallas_interpret", False, True, False),
+            "factor_kernel_interpret": ("pallas_interpret", False, True, True)}
+VARIANT_SETTINGS = ("GEMMS_IN_KERNELS", "PRODUCT_IN_UPDATE", "FACTOR_IN_KERNEL")
 FORMS = tuple(VARIANTS)
 
 
@@ -75,9 +78,8 @@ def tile_lse(e_n, rows, margin, where, rng):
 def backward(form, arrays, index, where, e_n, lse, g, margin, *update, reads=0):
     """``tile_backward`` jitted in ``form``; ``update``: ``(keep, rule, *scalars)`` or nothing."""
     keep, rule, *scalars = update or (None, None)
-    forced, gemms_in_kernels, product_in_update = VARIANTS[form]
-    with rows_backward.forced(forced), mock.patch.object(rows_backward, "GEMMS_IN_KERNELS", gemms_in_kernels), \
-            mock.patch.object(rows_backward, "PRODUCT_IN_UPDATE", product_in_update):
+    forced, *settings = VARIANTS[form]
+    with rows_backward.forced(forced), mock.patch.multiple(rows_backward, **dict(zip(VARIANT_SETTINGS, settings))):
         step = jax.jit(lambda arrays, e_n, keep, scalars: rows_backward.tile_backward(
             arrays, index, where, e_n, lse, g, margin, lambda: arrays[0][index],
             *(() if keep is None else (keep, rule, *scalars)), reads=reads))
@@ -208,6 +210,7 @@ def test_the_kernels_are_used_only_where_they_can_be(rng):
                                side_effect=rows_backward._multiplied_row_grad) as multiplied:
             assert trace(form, 32).count("pallas_call") == 1  # the update alone, given or multiplying the product
         assert multiplied.called == multiplies, form
+    assert trace("factor_kernel_interpret", 32).count("pallas_call") == 2  # rows_factor, then the update
     assert "pallas_call" not in trace("xla", 32)
     assert "pallas_call" not in trace("pallas_interpret", 24)  # not a power of two
     assert "pallas_call" not in trace("pallas_interpret", 32, rows=(12,))  # a slot's rows of 12: no Triton block

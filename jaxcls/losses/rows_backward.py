@@ -22,7 +22,10 @@ rows' gradient in ``tiles.tile_grad_parts``' two parts. Two forms compute it, th
   once, with no loop over the batch. With ``PRODUCT_IN_UPDATE`` as well, XLA's GEMM gives ``d_e`` alone, and the
   update kernel multiplies its rows' product itself from the cosines' gradient ``[N, T]`` (the GEMM's operand,
   ``N`` values a row) and the embeddings, which every program reads (from L2: ``N·D`` a block of rows), instead
-  of reading a ``[T, D]`` product that XLA wrote.
+  of reading a ``[T, D]`` product that XLA wrote. With ``FACTOR_IN_KERNEL`` too, that factor comes from
+  ``rows_factor``, a kernel in the statistics kernel's blocks that reads the rows by index, recomputes their
+  cosines and writes the factor, the norms' partial gradients and a copy of the rows for the embeddings' GEMM,
+  where XLA's form gathers the rows and writes float32 cosines for a fusion to read back.
 - ``"xla"`` (the default on every platform, CUDA GPUs included: an H100 timed it faster than the untuned kernels;
   always for rows a Triton block does not fit, and for rows replicated over mesh axes that hold other embeddings,
   whose gradient is a sum over devices that autodiff forms and no kernel sees): ``gathered()`` (the rows as the
@@ -45,11 +48,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pallas_triton
 
-from jaxcls.losses import tiles
+from jaxcls.losses import rows_stats, tiles
 from jaxcls.losses.kernel_forms import (block_batch, block_columns, block_index, compiler_params, kernel_forms,
                                         pad_rows, run, sliced_products)
 from jaxcls.losses.margins import CombinedMargin
-from jaxcls.losses.rows_stats import fits_a_block
 from jaxcls.mesh import varying_axes, varying_like
 
 GRAD_BLOCK_BATCH = 16  # embeddings per program of the embeddings' gradient
@@ -71,6 +73,8 @@ GEMMS_IN_KERNELS = True  # False: XLA's GEMMs form d_e and (unless PRODUCT_IN_UP
 # updates the rows
 PRODUCT_IN_UPDATE = False  # with GEMMS_IN_KERNELS off: XLA's GEMM forms d_e alone, the update kernel the product
 PRODUCT_BLOCK_BATCH = 32  # embeddings per step of that kernel's product (bfloat16: 126 registers at 8 warps, no spills)
+FACTOR_IN_KERNEL = False  # with PRODUCT_IN_UPDATE: the product's factor from a kernel that reads the rows by index
+# (rows_factor, in the statistics kernel's blocks: rows_stats.BLOCK_ROWS, BLOCK_BATCH, BLOCK_DIM, WARPS, STAGES)
 _FORM = kernel_forms("rows-backward form")
 forced = _FORM.forced  # forced(form): within the block, trace every tile_backward in that form (None: by platform)
 
@@ -92,7 +96,7 @@ def tile_backward(arrays: tuple, index, where: tiles.TileColumns, e_n, lse, g, m
     """
     xla = partial(_xla_form, margin=margin, rule=rule, gathered=gathered, reads=reads)
     args = (arrays, index, where, e_n, lse, g, keep, *scalars)
-    if not (fits_a_block(arrays[0], e_n) and all(w & (w - 1) == 0 for a in arrays for w in a.shape[1:])):
+    if not (rows_stats.fits_a_block(arrays[0], e_n) and all(w & (w - 1) == 0 for a in arrays for w in a.shape[1:])):
         return xla(*args)
     if keep is not None and varying_axes(e_n) - varying_axes(arrays[0]):
         # rows replicated over mesh axes that hold other embeddings (class_axes=('class',) with data > 1): their
@@ -103,11 +107,12 @@ def tile_backward(arrays: tuple, index, where: tiles.TileColumns, e_n, lse, g, m
 
 
 def _xla_form(arrays, index, where, e_n, lse, g, keep, *scalars, margin, rule, gathered, reads, update=None,
-              multiplied=True):
-    """XLA's GEMMs on the gathered rows, then ``update(arrays, index, row_grad, keep, scalars, rule, reads)``: XLA's
-    gather and scatter (``_xla_update``), or the update kernel (``_update_given``; ``_update_multiplying``, which
-    gets the product's factor, where not ``multiplied``: ``tiles.tile_grad_parts``)."""
-    d_e, *row_grad = tiles.tile_grad_parts(e_n, gathered(), where, margin, lse, g, multiplied)
+              parts=None):
+    """``parts()``, by default XLA's GEMMs on the gathered rows (``tiles.tile_grad_parts``): ``(d_e, *row_grad)``;
+    then ``update(arrays, index, row_grad, keep, scalars, rule, reads)``: XLA's gather and scatter
+    (``_xla_update``), or the update kernel (``_update_given``; ``_update_multiplying``, given the product's
+    factor)."""
+    d_e, *row_grad = parts() if parts else tiles.tile_grad_parts(e_n, gathered(), where, margin, lse, g)
     d_e = d_e.astype(jnp.float32)
     if keep is None:
         return d_e, arrays
@@ -131,15 +136,73 @@ def _xla_update(arrays, index, row_grad, keep, scalars, rule, reads):
 
 def _pallas_form(arrays, index, where, e_n, lse, g, keep, *scalars, margin, rule, reads, gathered, interpret: bool):
     if not GEMMS_IN_KERNELS:
-        update = partial(_update_multiplying, e_n=e_n) if PRODUCT_IN_UPDATE else _update_given
+        parts, update = None, _update_given
+        if PRODUCT_IN_UPDATE:
+            parts, update = (lambda: tiles.tile_grad_parts(e_n, gathered(), where, margin, lse, g, multiplied=False),
+                             partial(_update_multiplying, e_n=e_n))
+            if FACTOR_IN_KERNEL and not varying_axes(e_n) - varying_axes(arrays[0]):  # its outputs vary as the rows
+                parts = partial(_factor_parts, arrays[0], index, where, e_n, lse, g, margin, interpret)
         return _xla_form(arrays, index, where, e_n, lse, g, keep, *scalars, margin=margin, rule=rule,
-                         gathered=gathered, reads=reads, update=partial(update, interpret=interpret),
-                         multiplied=not PRODUCT_IN_UPDATE)
+                         gathered=gathered, reads=reads, update=partial(update, interpret=interpret), parts=parts)
     d_e = _embedding_grad(arrays[0], index, where, e_n, lse, g, margin, interpret)
     if keep is None:
         return d_e, arrays
     return d_e, arrays[:reads] + _update(arrays, index, where, e_n, lse, g, keep, scalars, margin, rule, reads,
                                          interpret)
+
+
+def _factor_parts(weight, index, where, e_n, lse, g, margin, interpret):
+    """``tiles.tile_grad_parts(..., multiplied=False)`` with the cosines and their gradient from ``rows_factor``, a
+    kernel in the statistics kernel's blocks that reads the rows by index, writes the product's factor ``[N, T]``,
+    the norms' partial gradients and, once per block of rows, their copy in ``e_n``'s dtype for the embeddings'
+    GEMM, where XLA's form gathers the rows, multiplies them into float32 cosines and reads those back."""
+    (n, d), t = e_n.shape, index.shape[0]
+    rows_index, padded = block_index(index, rows_stats.BLOCK_ROWS), block_columns(where, rows_stats.BLOCK_ROWS)
+    e_blocks, rel, lse, g = block_batch(rows_stats.BLOCK_BATCH, e_n, padded.rel, lse, g)
+    padded_t = rows_index.shape[0]
+    batch_blocks, row_blocks = e_blocks.shape[0] // rows_stats.BLOCK_BATCH, padded_t // rows_stats.BLOCK_ROWS
+    rows = pl.BlockSpec((rows_stats.BLOCK_ROWS,), lambda b, r: (r,))
+    batch = pl.BlockSpec((rows_stats.BLOCK_BATCH,), lambda b, r: (b,))
+    factor, d_inverse, copy, squares = pl.pallas_call(
+        partial(_factor_kernel, margin=margin),
+        grid=(batch_blocks, row_blocks),  # the batch blocks of one row block run side by side: its rows hit L2
+        in_specs=[rows, rows, rows, batch, batch, batch,
+                  pl.BlockSpec((rows_stats.BLOCK_BATCH, d), lambda b, r: (b, 0)),
+                  pl.BlockSpec(weight.shape, lambda b, r: (0, 0))],
+        out_specs=[pl.BlockSpec((rows_stats.BLOCK_BATCH, rows_stats.BLOCK_ROWS), lambda b, r: (b, r)),
+                   pl.BlockSpec((1, rows_stats.BLOCK_ROWS), lambda b, r: (b, r)),
+                   pl.BlockSpec((rows_stats.BLOCK_ROWS, d), lambda b, r: (r, 0)), rows],
+        out_shape=[varying_like(weight, (e_blocks.shape[0], padded_t), tiles.gradient_product_dtype(e_n.dtype)),
+                   varying_like(weight, (batch_blocks, padded_t), jnp.float32),
+                   varying_like(weight, (padded_t, d), e_n.dtype), varying_like(weight, (padded_t,), jnp.float32)],
+        interpret=interpret, name="rows_factor",
+        compiler_params=compiler_params(interpret, rows_stats.WARPS, rows_stats.STAGES),
+    )(rows_index, padded.columns, padded.kept, rel, lse, g, e_blocks, weight)
+    factor, copy, squares = factor[:n, :t], copy[:t], squares[:t]
+    _, pull_e = jax.vjp(lambda e: tiles.cosines(e, copy), e_n)  # d_e as XLA's form multiplies it (its forward unused)
+    (d_e,) = pull_e(factor.astype(jnp.float32))  # (exact: the factor is the float32 gradient rounded)
+    d_inverse = jnp.sum(d_inverse, axis=0)[:t]
+    return d_e, factor, tiles.radial_part(d_inverse, tiles.inverse_of_squares(squares), squares)
+
+
+def _factor_kernel(index_ref, columns_ref, kept_ref, rel_ref, lse_ref, g_ref, e_ref, weight_ref, factor_ref,
+                   d_inverse_ref, copy_ref, squares_ref, *, margin):
+    index, d = index_ref[...], e_ref.shape[1]
+    products, squares = sliced_products(lambda dims: e_ref[:, dims], lambda dims: weight_ref[index, dims], d,
+                                        rows_stats.BLOCK_DIM)
+    where = tiles.TileColumns(rel_ref[...], columns_ref[...], kept_ref[...])
+    d_products, d_inverse = tiles.cosine_grads(products, tiles.inverse_of_squares(squares), where, margin,
+                                               lse_ref[...], g_ref[...])
+    factor_ref[...] = d_products.astype(factor_ref.dtype)
+    d_inverse_ref[...] = d_inverse[None, :]
+
+    @pl.when(pl.program_id(0) == 0)
+    def _():  # the first block of embeddings writes its rows' copy (as XLA's form rounds it) and squared norms
+        squares_ref[...] = squares
+        width = min(rows_stats.BLOCK_DIM, d)
+        for k in range(d // width):
+            dims = pl.ds(k * width, width)
+            copy_ref[:, dims] = weight_ref[index, dims].astype(jnp.float32).astype(copy_ref.dtype)
 
 
 def _embedding_grad(weight, index, where, e_n, lse, g, margin, interpret):
