@@ -15,7 +15,7 @@ from jaxcls.fc.head import optimizer_rule
 from jaxcls.fc.optimizers import adamw, decode, encode, sgd
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxcls.losses import kernel_forms, rows_backward, tiles
+from jaxcls.losses import kernel_forms, rows_backward, rows_stats, tiles
 from reference import MARGINS, adamw_step, margin_target, rel_err, sgd_step
 
 # each form: (the form forced, rows_backward.GEMMS_IN_KERNELS, PRODUCT_IN_UPDATE, FACTOR_IN_KERNEL): XLA's form,
@@ -108,6 +108,9 @@ def test_every_form_gives_the_float64_gradients_of_the_embeddings_and_the_kept_r
     monkeypatch.setattr(rows_backward, "GRAD_PROGRAMS", programs)
     for name in ("GRAD_BLOCK_DIM", "UPDATE_BLOCK_DIM"):  # the products over two slices of the 32 dimensions
         monkeypatch.setattr(rows_backward, name, 16)
+    # rows_factor (in the statistics kernel's blocks): two slices, and blocks of 16 embeddings, so several a batch
+    monkeypatch.setattr(rows_stats, "BLOCK_DIM", 16)
+    monkeypatch.setattr(rows_stats, "BLOCK_BATCH", 16)
     margin = MARGINS[margin]
     weight, index, where, e_n = draw_tile(rng, dtype)
     lse = tile_lse(e_n, weight[index], margin, where, rng)
@@ -246,12 +249,17 @@ def test_rows_replicated_over_axes_that_hold_other_embeddings_take_xlas_form():
     where = tiles.tile_columns(jnp.zeros(2, jnp.int32), jnp.ones(8, bool), 0, 0)
     placed = lambda shape, spec: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
 
-    def traced(weight_spec):
+    def traced(weight_spec, form="pallas_interpret", update=True):
         def step(weight, e_n):
-            return backward("pallas_interpret", (weight,), jnp.arange(8), where, e_n, jnp.zeros(2), jnp.zeros(2),
-                            MARGINS["cosface"], jnp.ones(8, bool), lambda rows, row_grad, index: rows)[0]
+            keep_rows = (jnp.ones(8, bool), lambda rows, row_grad, index: rows) if update else ()
+            return backward(form, (weight,), jnp.arange(8), where, e_n, jnp.zeros(2), jnp.zeros(2),
+                            MARGINS["cosface"], *keep_rows)[0]
         shard = jax.shard_map(step, mesh=mesh, in_specs=(weight_spec, P(("data", "class"))),
                               out_specs=P(("data", "class")))
         return str(jax.jit(shard).trace(placed((64, 32), weight_spec), placed((16, 32), P(("data", "class")))).jaxpr)
     assert traced(P(("data", "class"))).count("pallas_call") == 2
     assert "pallas_call" not in traced(P("class"))
+    # the embeddings' gradient alone (no update) reaches the kernel form; rows_factor's outputs vary as the rows do, so
+    # it serves only rows that vary over every axis the embeddings do
+    assert traced(P(("data", "class")), "factor_kernel_interpret", update=False).count("pallas_call") == 1
+    assert "pallas_call" not in traced(P("class"), "factor_kernel_interpret", update=False)

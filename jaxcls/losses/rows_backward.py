@@ -7,7 +7,7 @@ hit L1/L2; not yet measured).
 ``(d_e, arrays)``: the gradient ``[N, D]`` float32 of ``Σ_n g[n]·loss[n]`` w.r.t. ``e_n`` through the tile of rows
 ``index`` of ``arrays[0]`` (the weight), and ``arrays`` (the weight and its optimizer slots, all ``[C_local, ...]``)
 with the rows ``index`` replaced where ``keep`` holds by ``rule(rows, (product, radial), index, *scalars)``, the
-rows' gradient in ``tiles.tile_grad_parts``' two parts. Two forms compute it, the first in three variants:
+rows' gradient in ``tiles.tile_grad_parts``' two parts. Two forms compute it, the first in four variants:
 
 - ``"pallas"`` (when forced, or on CUDA GPUs where ``KERNEL_ON_CUDA``): two Triton kernels that read the rows by
   index and recompute each block's cosines and their gradient on chip from the tile's log-sum-exp (no ``[N, T]``
@@ -73,7 +73,8 @@ GEMMS_IN_KERNELS = True  # False: XLA's GEMMs form d_e and (unless PRODUCT_IN_UP
 # updates the rows
 PRODUCT_IN_UPDATE = False  # with GEMMS_IN_KERNELS off: XLA's GEMM forms d_e alone, the update kernel the product
 PRODUCT_BLOCK_BATCH = 32  # embeddings per step of that kernel's product (bfloat16: 126 registers at 8 warps, no spills)
-FACTOR_IN_KERNEL = False  # with PRODUCT_IN_UPDATE: the product's factor from a kernel that reads the rows by index
+FACTOR_IN_KERNEL = False  # with PRODUCT_IN_UPDATE (inert without): the product's factor from a kernel that reads the
+# rows by index
 # (rows_factor, in the statistics kernel's blocks: rows_stats.BLOCK_ROWS, BLOCK_BATCH, BLOCK_DIM, WARPS, STAGES)
 _FORM = kernel_forms("rows-backward form")
 forced = _FORM.forced  # forced(form): within the block, trace every tile_backward in that form (None: by platform)
