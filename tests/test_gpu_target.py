@@ -140,7 +140,7 @@ def test_the_update_kernel_alone_updates_the_rows_in_place_after_xlas_gemms(back
     the classes. With PRODUCT_IN_UPDATE as well (``pallas_product``) the kernel multiplies the rows' product itself:
     no GEMM in the tile loops writes a ``[T, D]`` array. With FACTOR_IN_KERNEL too (``pallas_factor``) rows_factor,
     once per tile, reads the rows by index and writes their copy for the embeddings' GEMM: nothing is gathered."""
-    (small_run, small), (big_run, big) = (compiled_at(rows, backward=backward) for rows in ROWS)
+    small = compiled_at(ROWS[0], backward=backward)[1]
     text = small.as_text()
     found = kernels(text)
     ours = [k for k in found if "/rows_update/pallas_call" in k.origin]
@@ -160,8 +160,10 @@ def test_the_update_kernel_alone_updates_the_rows_in_place_after_xlas_gemms(back
     assert len(products) == (backward == "pallas_update"), products
     launches = [line for line in text.splitlines() if 'name = "rows_update"' in line]
     assert launches and all("output_to_operand_aliasing" in line for line in launches)  # in place
-    extra = big.memory_analysis().temp_size_in_bytes - small.memory_analysis().temp_size_in_bytes
-    assert -4096 <= extra <= 4 * (ROWS[1] - ROWS[0]), extra
+    if backward != "pallas_product":  # (its parts are the other two's: one second compile each is enough)
+        extra = compiled_at(ROWS[1], backward=backward)[1].memory_analysis().temp_size_in_bytes - \
+            small.memory_analysis().temp_size_in_bytes
+        assert -4096 <= extra <= 4 * (ROWS[1] - ROWS[0]), extra
 
 
 @pytest.mark.slow
