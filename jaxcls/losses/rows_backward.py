@@ -158,27 +158,20 @@ def _factor_parts(weight, index, where, e_n, lse, g, margin, interpret):
     the norms' partial gradients and, once per block of rows, their copy in ``e_n``'s dtype for the embeddings'
     GEMM, where XLA's form gathers the rows, multiplies them into float32 cosines and reads those back."""
     (n, d), t = e_n.shape, index.shape[0]
-    rows_index, padded = block_index(index, rows_stats.BLOCK_ROWS), block_columns(where, rows_stats.BLOCK_ROWS)
-    e_blocks, rel, lse, g = block_batch(rows_stats.BLOCK_BATCH, e_n, padded.rel, lse, g)
-    padded_t = rows_index.shape[0]
-    batch_blocks, row_blocks = e_blocks.shape[0] // rows_stats.BLOCK_BATCH, padded_t // rows_stats.BLOCK_ROWS
-    rows = pl.BlockSpec((rows_stats.BLOCK_ROWS,), lambda b, r: (r,))
-    batch = pl.BlockSpec((rows_stats.BLOCK_BATCH,), lambda b, r: (b,))
+    grid, in_specs, inputs = rows_stats.blocked(weight, index, where, e_n, lse, g)
+    padded_n, padded_t = grid[0] * rows_stats.BLOCK_BATCH, grid[1] * rows_stats.BLOCK_ROWS
     factor, d_inverse, copy, squares = pl.pallas_call(
         partial(_factor_kernel, margin=margin),
-        grid=(batch_blocks, row_blocks),  # the batch blocks of one row block run side by side: its rows hit L2
-        in_specs=[rows, rows, rows, batch, batch, batch,
-                  pl.BlockSpec((rows_stats.BLOCK_BATCH, d), lambda b, r: (b, 0)),
-                  pl.BlockSpec(weight.shape, lambda b, r: (0, 0))],
+        grid=grid, in_specs=in_specs,
         out_specs=[pl.BlockSpec((rows_stats.BLOCK_BATCH, rows_stats.BLOCK_ROWS), lambda b, r: (b, r)),
                    pl.BlockSpec((1, rows_stats.BLOCK_ROWS), lambda b, r: (b, r)),
-                   pl.BlockSpec((rows_stats.BLOCK_ROWS, d), lambda b, r: (r, 0)), rows],
-        out_shape=[varying_like(weight, (e_blocks.shape[0], padded_t), tiles.gradient_product_dtype(e_n.dtype)),
-                   varying_like(weight, (batch_blocks, padded_t), jnp.float32),
+                   pl.BlockSpec((rows_stats.BLOCK_ROWS, d), lambda b, r: (r, 0)), in_specs[0]],
+        out_shape=[varying_like(weight, (padded_n, padded_t), tiles.gradient_product_dtype(e_n.dtype)),
+                   varying_like(weight, (grid[0], padded_t), jnp.float32),
                    varying_like(weight, (padded_t, d), e_n.dtype), varying_like(weight, (padded_t,), jnp.float32)],
         interpret=interpret, name="rows_factor",
         compiler_params=compiler_params(interpret, rows_stats.WARPS, rows_stats.STAGES),
-    )(rows_index, padded.columns, padded.kept, rel, lse, g, e_blocks, weight)
+    )(*inputs)
     factor, copy, squares = factor[:n, :t], copy[:t], squares[:t]
     _, pull_e = jax.vjp(lambda e: tiles.cosines(e, copy), e_n)  # d_e as XLA's form multiplies it (its forward unused)
     (d_e,) = pull_e(factor.astype(jnp.float32))  # (exact: the factor is the float32 gradient rounded)

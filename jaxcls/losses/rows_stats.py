@@ -57,26 +57,35 @@ def fits_a_block(weight, e_n) -> bool:
     return d & (d - 1) == 0 and d >= 16 and e_n.shape[1] == d and jnp.issubdtype(weight.dtype, jnp.floating)
 
 
-def _pallas_form(weight, index, where, e_n, *, margin, interpret: bool):
-    n, d = e_n.shape
+def blocked(weight, index, where: tiles.TileColumns, e_n, *batch):
+    """``(grid, in_specs, inputs)`` of a ``pallas_call`` in this kernel's blocks (``rows_backward``'s ``rows_factor``
+    shares them): a program per block of ``BLOCK_BATCH`` embeddings and block of ``BLOCK_ROWS`` rows read by index,
+    whose kernel takes ``(index, columns, kept, rel, *batch, e_n, weight)``, each padded to whole blocks
+    (``block_index``, ``block_columns``, ``block_batch``; ``batch``: the log-sum-exp and each embedding's weight in
+    the loss, or nothing)."""
     index, where = block_index(index, BLOCK_ROWS), block_columns(where, BLOCK_ROWS)
-    e_n, rel = block_batch(BLOCK_BATCH, e_n, where.rel)
-    row_blocks, batch_blocks = index.shape[0] // BLOCK_ROWS, e_n.shape[0] // BLOCK_BATCH
+    e_n, rel, *batch = block_batch(BLOCK_BATCH, e_n, where.rel, *batch)
     rows = pl.BlockSpec((BLOCK_ROWS,), lambda b, r: (r,))
-    batch = pl.BlockSpec((BLOCK_BATCH,), lambda b, r: (b,))
-    out = pl.BlockSpec((1, BLOCK_BATCH), lambda b, r: (r, b))
+    embeddings = pl.BlockSpec((BLOCK_BATCH,), lambda b, r: (b,))
+    in_specs = [rows] * 3 + [embeddings] * (1 + len(batch)) + [
+        pl.BlockSpec((BLOCK_BATCH, e_n.shape[1]), lambda b, r: (b, 0)), pl.BlockSpec(weight.shape, lambda b, r: (0, 0))]
+    grid = (e_n.shape[0] // BLOCK_BATCH, index.shape[0] // BLOCK_ROWS)  # a row block's batch blocks side by side
+    return grid, in_specs, (index, where.columns, where.kept, rel, *batch, e_n, weight)
+
+
+def _pallas_form(weight, index, where, e_n, *, margin, interpret: bool):
+    grid, in_specs, inputs = blocked(weight, index, where, e_n)
+    batch_blocks, row_blocks = grid
     stats = pl.pallas_call(
         partial(_kernel, margin=margin),
-        grid=(batch_blocks, row_blocks),  # the batch blocks of one row block run side by side: its rows hit L2
-        in_specs=[rows, rows, rows, batch, pl.BlockSpec((BLOCK_BATCH, d), lambda b, r: (b, 0)),
-                  pl.BlockSpec(weight.shape, lambda b, r: (0, 0))],
-        out_specs=[out] * 3,
-        out_shape=[varying_like(e_n, (row_blocks, e_n.shape[0]), jnp.float32)] * 3,
+        grid=grid, in_specs=in_specs,
+        out_specs=[pl.BlockSpec((1, BLOCK_BATCH), lambda b, r: (r, b))] * 3,
+        out_shape=[varying_like(e_n, (row_blocks, batch_blocks * BLOCK_BATCH), jnp.float32)] * 3,
         interpret=interpret, name="rows_stats",
         compiler_params=compiler_params(interpret, WARPS, STAGES),
-    )(index, where.columns, where.kept, rel, e_n, weight)
+    )(*inputs)
     merged = lax.reduce(tuple(stats), tuple(tiles.empty_stats(())), tiles.merge_stats, (0,))
-    return tuple(s[:n] for s in merged)
+    return tuple(s[:e_n.shape[0]] for s in merged)
 
 
 def _kernel(index_ref, columns_ref, kept_ref, rel_ref, e_ref, weight_ref, max_ref, sum_ref, target_ref, *, margin):
