@@ -40,7 +40,7 @@ def time_ms(fn, *args, warmup: int = 3, iters: int = 20) -> float:
     return statistics.median(times)
 
 
-FC_KERNELS = ("xla", "pallas", "pallas_update", "pallas_product", "pallas_factor")
+FC_KERNELS = ("xla", *rows_backward.VARIANTS)
 FC_KERNELS_HELP = ("the FC path's row kernels (jaxcls.losses.rows_stats, rows_backward): xla, XLA's forms of both; "
                    "pallas, both Triton kernels (CUDA GPUs); pallas_update, the statistics kernel and XLA's GEMMs "
                    "with the rows updated by a Triton kernel (rows_backward.GEMMS_IN_KERNELS off); pallas_product, "
@@ -48,26 +48,16 @@ FC_KERNELS_HELP = ("the FC path's row kernels (jaxcls.losses.rows_stats, rows_ba
                    "pallas_factor, that with the product's factor from a kernel that reads the rows by index (and "
                    "FACTOR_IN_KERNEL on); default, each platform's own (on CUDA GPUs the statistics kernel and XLA's "
                    "backward)")
-# the rows_backward settings (GEMMS_IN_KERNELS, PRODUCT_IN_UPDATE, FACTOR_IN_KERNEL) of each kernel form
-_BACKWARD_VARIANTS = {"pallas": (True, False, False), "pallas_update": (False, False, False),
-                      "pallas_product": (False, True, False), "pallas_factor": (False, True, True)}
 
 
 @contextmanager
 def fc_kernels(form: str | None):
     """Within the block, trace the FC path's statistics pass and backward in ``form`` (None: by platform; see
     ``FC_KERNELS_HELP``)."""
-    names = ("GEMMS_IN_KERNELS", "PRODUCT_IN_UPDATE", "FACTOR_IN_KERNEL")
-    before = [getattr(rows_backward, name) for name in names]
-    for name, value in zip(names, _BACKWARD_VARIANTS.get(form, before)):
-        setattr(rows_backward, name, value)
-    kernel = "pallas" if form in _BACKWARD_VARIANTS else form
-    try:
-        with rows_stats.forced(kernel), rows_backward.forced(kernel):
-            yield
-    finally:
-        for name, value in zip(names, before):
-            setattr(rows_backward, name, value)
+    variant = form if form in rows_backward.VARIANTS else None
+    kernel = "pallas" if variant else form
+    with rows_backward.variant(variant), rows_stats.forced(kernel), rows_backward.forced(kernel):
+        yield
 
 
 def compiled_memory(compiled) -> dict:

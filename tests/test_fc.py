@@ -204,10 +204,7 @@ def test_one_byte_state_matches_the_autodiff_route(state_dtype, as_bits, rng, mo
         assert np.array_equal(np.asarray(a)[untouched], np.asarray(b)[untouched])
 
 
-# rows_backward's (GEMMS_IN_KERNELS, PRODUCT_IN_UPDATE, FACTOR_IN_KERNEL)
-@pytest.mark.parametrize("variant", [(True, False, False), (False, False, False), (False, True, False),
-                                     (False, True, True)],
-                         ids=["kernels", "update_kernel_alone", "update_kernel_multiplying", "factor_kernel"])
+@pytest.mark.parametrize("variant", list(rows_backward.VARIANTS))
 @pytest.mark.parametrize("layout,case", [(LAYOUTS[0], CASES[1]), (LAYOUTS[1], CASES[3])], ids=str)
 def test_fused_step_through_the_row_kernels_equals_dense_float64_reference(layout, case, variant, rng, monkeypatch):
     """The step as a CUDA GPU runs it, its statistics and backward in jaxcls.losses' Pallas kernels (in Pallas'
@@ -218,16 +215,15 @@ def test_fused_step_through_the_row_kernels_equals_dense_float64_reference(layou
     shard_map only without its check of how values vary over the mesh, which the layouts here do not need (the rows
     vary over every axis the embeddings do)."""
     monkeypatch.setattr(jax, "shard_map", functools.partial(jax.shard_map, check_vma=False))
-    for name, value in zip(("GEMMS_IN_KERNELS", "PRODUCT_IN_UPDATE", "FACTOR_IN_KERNEL"), variant):
-        monkeypatch.setattr(rows_backward, name, value)
     (mesh_shape, class_axes), (rate, chunk, optimizer) = layout, case
     head, weight, state, emb, labels, sample = setup(rng, mesh_shape, class_axes, rate, chunk or 24, optimizer, d=32)
     lr = float(rng.uniform(0.01, 0.5))
-    with rows_backward.forced("pallas_interpret"), rows_stats.forced("pallas_interpret"):
+    with rows_backward.forced("pallas_interpret"), rows_stats.forced("pallas_interpret"), \
+            rows_backward.variant(variant):
         traced = str(jax.make_jaxpr(lambda *a: head.step(*a, lr))(weight, state, emb, labels, sample))
         result = run(head, weight, state, emb, labels, sample, lr)
-    gemms_in_kernels, _, factor_in_kernel = variant  # statistics, [embeddings' gradient or the factor,] update
-    assert traced.count("pallas_call") == (3 if gemms_in_kernels or factor_in_kernel else 2)
+    # statistics, [embeddings' gradient or the factor,] update
+    assert traced.count("pallas_call") == (3 if variant in ("pallas", "pallas_factor") else 2)
     check_step_against_reference(head, optimizer, (weight, state, emb, labels, sample and sample.rows, lr), result)
 
 

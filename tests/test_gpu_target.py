@@ -208,22 +208,19 @@ def test_the_fc_path_moves_at_most_8_kb_per_sampled_row(tmp_path):
     ("sgd", "float32", "float32", "bfloat16", "cosface", "nearest"),
     ("adamw", "float32", "float32", "float16", "arcface", "nearest"),
     ("sgd", "bfloat16", "bfloat16", "bfloat16", "cosface", "stochastic")])
-@pytest.mark.parametrize("variant", [(True, False, False), (False, False, False), (False, True, False),
-                                     (False, True, True)],
-                         ids=["kernels", "update_kernel_alone", "update_kernel_multiplying", "factor_kernel"])
+@pytest.mark.parametrize("variant", list(rows_backward.VARIANTS))
 def test_the_row_kernels_compile_for_an_h100_at_full_size(optimizer, weight, state, embeddings, margin, rounding,
-                                                          variant, monkeypatch):
+                                                          variant):
     """Each FC row kernel (statistics, embeddings' gradient, update; or the update alone after XLA's GEMMs, given the
     rows' product or multiplying it, its factor from XLA or from rows_factor) through Triton for an H100 at D = 512,
     a 65,536-row tile, N = 128, for each optimizer rule, storage, compute dtype, margin family (acos for SphereFace)
     and the weight's rounding (stochastic: integer hashing): a rule or margin with an operation Triton lacks, or a
     block too large for an SM, fails here rather than in a lease."""
-    for name, value in zip(("GEMMS_IN_KERNELS", "PRODUCT_IN_UPDATE", "FACTOR_IN_KERNEL"), variant):
-        monkeypatch.setattr(rows_backward, name, value)
-    compiled = benchmark("fc_kernels").compile_row_kernels(gpu_target.gpu_devices("h100", 1)[0], optimizer, weight,
-                                                           state, embeddings, margin, rounding)
+    with rows_backward.variant(variant):
+        compiled = benchmark("fc_kernels").compile_row_kernels(gpu_target.gpu_devices("h100", 1)[0], optimizer,
+                                                               weight, state, embeddings, margin, rounding)
     text = compiled.as_text()
-    gemms_in_kernels, _, factor_in_kernel = variant
+    gemms_in_kernels, _, factor_in_kernel = rows_backward.VARIANTS[variant]
     expected = {"rows_stats", "rows_update"} | ({"rows_embedding_grad"} if gemms_in_kernels else set()) | (
         {"rows_factor"} if factor_in_kernel else set())
     assert {kernel for kernel in ("rows_stats", "rows_embedding_grad", "rows_factor", "rows_update")

@@ -18,14 +18,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxcls.losses import kernel_forms, rows_backward, rows_stats, tiles
 from reference import MARGINS, adamw_step, margin_target, rel_err, sgd_step
 
-# each form: (the form forced, rows_backward.GEMMS_IN_KERNELS, PRODUCT_IN_UPDATE, FACTOR_IN_KERNEL): XLA's form,
-# the kernels (interpreted), the update kernel alone on XLA's GEMMs, that kernel multiplying the rows' product
-# itself, and with the product's factor from the rows_factor kernel
-VARIANTS = {"xla": ("xla", True, False, False), "pallas_interpret": ("pallas_interpret", True, False, False),
-            "update_kernel_interpret": ("pallas_interpret", False, False, False),
-            "product_kernel_interpret": ("pallas_interpret", False, True, False),
-            "factor_kernel_interpret": ("pallas_interpret", False, True, True)}
-VARIANT_SETTINGS = ("GEMMS_IN_KERNELS", "PRODUCT_IN_UPDATE", "FACTOR_IN_KERNEL")
+# each form: (the form forced, its variant, rows_backward.VARIANTS): XLA's form, the kernels (interpreted), the update
+# kernel alone on XLA's GEMMs, that kernel multiplying the rows' product itself, and with the product's factor from
+# the rows_factor kernel
+VARIANTS = {"xla": ("xla", None), "pallas_interpret": ("pallas_interpret", "pallas"),
+            "update_kernel_interpret": ("pallas_interpret", "pallas_update"),
+            "product_kernel_interpret": ("pallas_interpret", "pallas_product"),
+            "factor_kernel_interpret": ("pallas_interpret", "pallas_factor")}
 FORMS = tuple(VARIANTS)
 
 
@@ -78,8 +77,8 @@ def tile_lse(e_n, rows, margin, where, rng):
 def backward(form, arrays, index, where, e_n, lse, g, margin, *update, reads=0):
     """``tile_backward`` jitted in ``form``; ``update``: ``(keep, rule, *scalars)`` or nothing."""
     keep, rule, *scalars = update or (None, None)
-    forced, *settings = VARIANTS[form]
-    with rows_backward.forced(forced), mock.patch.multiple(rows_backward, **dict(zip(VARIANT_SETTINGS, settings))):
+    forced, variant = VARIANTS[form]
+    with rows_backward.forced(forced), rows_backward.variant(variant):
         step = jax.jit(lambda arrays, e_n, keep, scalars: rows_backward.tile_backward(
             arrays, index, where, e_n, lse, g, margin, lambda: arrays[0][index],
             *(() if keep is None else (keep, rule, *scalars)), reads=reads))
