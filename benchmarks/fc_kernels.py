@@ -10,13 +10,13 @@ rows update (``jaxcls.losses.rows_backward``), on one tile of sampled rows.
                                               # a sweep: every combination, XLA's form timed once
     python benchmarks/fc_kernels.py --registers --set rows_backward.UPDATE_WARPS=4,8
                                               # compile-only, no GPU: registers, spills, programs per SM
-    python benchmarks/fc_kernels.py --kernel backward --set rows_backward.GEMMS_IN_KERNELS=0 \
-        --set rows_backward.PRODUCT_IN_UPDATE=0,1   # XLA's GEMMs and the update kernel given or multiplying the product
-    python benchmarks/fc_kernels.py --kernel backward --set rows_backward.GEMMS_IN_KERNELS=0 \
-        --set rows_backward.PRODUCT_IN_UPDATE=1 --set rows_backward.FACTOR_IN_KERNEL=0,1   # its factor from XLA or not
+    python benchmarks/fc_kernels.py --kernel backward --fc-kernels pallas_update,pallas_product,pallas_factor
+                                              # the kernel form's variants (rows_backward.VARIANTS), XLA's form once
 
 Rows (``kernel``: ``stats``, ``embedding_grad`` (the backward without the update: in the kernel form its first kernel
-alone), ``backward``; ``case``; ``form``): the median ms of one call, synchronized, after warm-up (the update steps the
+alone), ``backward``; ``case``; ``form``; ``variant``, the kernel form's ``rows_backward.VARIANTS`` name, timed in
+turn with ``--fc-kernels``; the statistics kernel, the same in every variant, is timed in the first alone): the
+median ms of one call, synchronized, after warm-up (the update steps the
 same ``[C, D]`` weight and slots in place, call after call); the bytes the call must move at the least over that
 time (``least_GB_per_s``: for the backward each row of the weight and slots read and written once, for the
 statistics each row read once, and the embeddings); ``diff_vs_xla``, against XLA's form on the same inputs: for the
@@ -223,6 +223,25 @@ def _settings(settings: list[str]) -> list[dict[str, int]]:
     return [dict(zip(names, combination)) for combination in itertools.product(*values)]
 
 
+def _variants(names: list[str], settings: list[str]) -> list[str | None]:
+    """The ``rows_backward.VARIANTS`` named by ``--fc-kernels NAME[,NAME...]`` (none: ``[None]``, the module's own
+    flags), refused beside a ``--set`` of the flags a variant sets."""
+    variants = [v for arg in names for v in arg.split(",")]
+    unknown = [v for v in variants if v not in rows_backward.VARIANTS]
+    if unknown:
+        raise SystemExit(f"--fc-kernels {','.join(unknown)}: expected one of {', '.join(rows_backward.VARIANTS)}")
+    clash = [s for s in settings if variants and s.partition("=")[0].partition(".")[2] in rows_backward.VARIANT_FLAGS]
+    if clash:
+        raise SystemExit(f"--set {clash[0]}: --fc-kernels sets {', '.join(rows_backward.VARIANT_FLAGS)}")
+    return variants or [None]
+
+
+def _variant_name() -> str:
+    """The ``rows_backward.VARIANTS`` name of the module's flags as they are now."""
+    flags = tuple(getattr(rows_backward, name) for name in rows_backward.VARIANT_FLAGS)
+    return next((name for name, set_to in rows_backward.VARIANTS.items() if set_to == flags), str(flags))
+
+
 def _apply(settings: dict[str, int]) -> None:
     for name, value in settings.items():
         module, _, constant = name.partition(".")
@@ -241,16 +260,22 @@ def main():
                         help="backward cases (default: all)")
     parser.add_argument("--registers", action="store_true", help="compile-only, any machine: each kernel's "
                         "registers, spills and programs per SM for an H100 (needs the plan-gpu extra)")
+    parser.add_argument("--fc-kernels", action="append", default=[], metavar="VARIANT[,VARIANT...]",
+                        help="the kernel form's variants to time in turn (rows_backward.VARIANTS: "
+                             f"{', '.join(rows_backward.VARIANTS)}; default: as the module's flags are)")
     parser.add_argument("--batch", type=int, default=None, help="N embeddings (default 128; --small 100)")
     parser.add_argument("--out", default="fc_kernels.json")
     args = parser.parse_args()
+    variants, combinations = _variants(args.fc_kernels, args.set), _settings(args.set)
+    runs = [(variant, settings) for variant in variants for settings in combinations]
     if args.registers:
         rows = []
-        for settings in _settings(args.set):
+        for variant, settings in runs:
             _apply(settings)
-            rows += register_rows(settings, args.batch or 128)
-        print_table(rows, ["kernel", "N", "programs", "warps", "stages", "registers", "spill_bytes", "programs_per_sm",
-                           "waves", "settings"])
+            with rows_backward.variant(variant):
+                rows += [dict(row, variant=_variant_name()) for row in register_rows(settings, args.batch or 128)]
+        print_table(rows, ["kernel", "variant", "N", "programs", "warps", "stages", "registers", "spill_bytes",
+                           "programs_per_sm", "waves", "settings"])
         return write_json(args.out, rows)
     c, d, t, n, iters, warmup = (4096, 64, 1000, 100, 3, 1) if args.small else (1_048_576, 512, 65_536, 128, 40, 15)
     sizes = (c, d, t, args.batch or n, iters, warmup)
@@ -261,15 +286,19 @@ def main():
     measured = [(row, case) for name, (row, cases) in kernels.items() if name in (args.kernel or kernels)
                 for case in cases]
     rows = []
-    for i, settings in enumerate(_settings(args.set)):
+    for i, (variant, settings) in enumerate(runs):
         _apply(settings)
-        rng = np.random.default_rng(0)
-        for row, case in measured:
-            for form in ["xla", kernel] if i == 0 else [kernel]:
-                rows.append(dict(row(case, form, *sizes, rng), settings=settings if form != "xla" else {}))
-                print(rows[-1], flush=True)
+        with rows_backward.variant(variant):
+            for j, (row, case) in enumerate(measured):
+                if row is stats_row and variant != variants[0]:
+                    continue
+                for form in ["xla", kernel] if i == 0 else [kernel]:
+                    rng = np.random.default_rng(j)  # each case's inputs the same in every run
+                    rows.append(dict(row(case, form, *sizes, rng), variant=_variant_name() if form != "xla" else "",
+                                     settings=settings if form != "xla" else {}))
+                    print(rows[-1], flush=True)
         write_json(args.out, rows)  # after each combination: a sweep stopped by a time limit keeps what it timed
-    print_table(rows, ["kernel", "case", "form", "ms", "least_GB_per_s", "diff_vs_xla", "d_e_diff_vs_xla"])
+    print_table(rows, ["kernel", "case", "form", "variant", "ms", "least_GB_per_s", "diff_vs_xla", "d_e_diff_vs_xla"])
 
 
 if __name__ == "__main__":

@@ -40,6 +40,9 @@ SCRIPTS = {
     "partialfc_draw.py": {"classes", "rows", "form", "ms", "temp_bytes_per_class"},
 }
 NEEDS = {"inference_runtimes.py": "jax2onnx"}
+# what a script's --small run takes besides (fc_kernels.py: two of the kernel form's variants, two update cases)
+SMALL_ARGS = {"fc_kernels.py": ["--fc-kernels", "pallas,pallas_factor", "--update", "sgd/bfloat16/int8",
+                                "--update", "adamw/float32/float32"]}
 GPU_TARGET = {"gpu_plan.py", "gpu_program.py"}  # compile for a GPU: JAX's CUDA plugin
 # scripts whose --small mode runs a full-width backbone: LLVM's optimizations pay for themselves there (69 s without)
 RUNS_A_BACKBONE = {"backbone_memory.py"}
@@ -117,6 +120,17 @@ def test_fc_state_accuracy_storages_are_valid_glyphs_configs():
         validate(config, num_devices=8)
 
 
+def test_fc_kernels_takes_the_variants_by_name_and_not_beside_a_setting_of_their_flags():
+    script = benchmark("fc_kernels")
+    assert script._variants([], ["rows_backward.GEMMS_IN_KERNELS=0"]) == [None]  # the module's flags, as set
+    assert script._variants(["pallas_update,pallas_factor", "pallas"], []) == ["pallas_update", "pallas_factor",
+                                                                                "pallas"]
+    with pytest.raises(SystemExit, match="--fc-kernels triton: expected one of pallas, pallas_update, "):
+        script._variants(["pallas,triton"], [])
+    with pytest.raises(SystemExit, match="--set rows_backward.PRODUCT_IN_UPDATE=1: --fc-kernels sets "):
+        script._variants(["pallas_product"], ["rows_backward.UPDATE_WARPS=4", "rows_backward.PRODUCT_IN_UPDATE=1"])
+
+
 def test_gpu_lease_logs_each_jobs_status_runs_fallbacks_resumes_and_carries_the_autotuning_cache(tmp_path):
     """benchmarks/gpu_lease.sh, as a lease runs it (here without a GPU, on sh: jobs): each job's own exit status in
     the log (it once logged rc=0 for every job), a ``|JOB`` only after a failure, a second call skipping what the
@@ -179,14 +193,21 @@ def test_small_mode_writes_json(script, tmp_path):
     if script in NEEDS and importlib.util.find_spec(NEEDS[script]) is None:
         pytest.skip(f"{script} needs {NEEDS[script]}: see docs/deploy.md")
     out = tmp_path / "result.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--small", "--out", str(out)],
-                          cwd=ROOT, env=script_env(script not in GPU_TARGET | RUNS_A_BACKBONE), capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--small", "--out", str(out),
+                           *SMALL_ARGS.get(script, [])], cwd=ROOT,
+                          env=script_env(script not in GPU_TARGET | RUNS_A_BACKBONE), capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["environment"]["backend"] and result["rows"]
     for row in result["rows"]:
         assert SCRIPTS[script] <= row.keys()
+    if script == "fc_kernels.py":  # each variant in turn, beside XLA's form once; the statistics kernel in the first
+        timed = sorted((r["kernel"], r["form"], r["variant"]) for r in result["rows"])
+        assert timed == sorted([(k, "xla", "") for k in ("stats", "embedding_grad") for _ in "12"] +
+                               [("backward", "xla", "")] * 2 + [("stats", "pallas_interpret", "pallas")] * 2 +
+                               [(k, "pallas_interpret", v) for k in ("embedding_grad", "backward")
+                                for v in ("pallas", "pallas_factor") for _ in "12"]), timed
     if script == "inference_runtimes.py":  # every runtime embeds as JAX does
         assert {r["runtime"] for r in result["rows"]} == {"jax", "stablehlo", "onnxruntime"}
         assert all(r["max_rel_err"] <= 1e-4 for r in result["rows"])

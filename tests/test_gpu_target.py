@@ -160,7 +160,9 @@ def test_the_update_kernel_alone_updates_the_rows_in_place_after_xlas_gemms(back
     assert len(products) == (backward == "pallas_update"), products
     launches = [line for line in text.splitlines() if 'name = "rows_update"' in line]
     assert launches and all("output_to_operand_aliasing" in line for line in launches)  # in place
-    if backward != "pallas_product":  # (its parts are the other two's: one second compile each is enough)
+    # one second compile (~25 s): each variant's update writes in place (above), the other two's gather and GEMMs are
+    # XLA's form's, whose growth test_the_fc_update_is_in_place_and_no_collective_grows_with_the_classes holds
+    if backward == "pallas_factor":
         extra = compiled_at(ROWS[1], backward=backward)[1].memory_analysis().temp_size_in_bytes - \
             small.memory_analysis().temp_size_in_bytes
         assert -4096 <= extra <= 4 * (ROWS[1] - ROWS[0]), extra

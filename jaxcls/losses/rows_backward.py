@@ -77,8 +77,8 @@ PRODUCT_BLOCK_BATCH = 32  # embeddings per step of that kernel's product (bfloat
 FACTOR_IN_KERNEL = False  # with PRODUCT_IN_UPDATE (inert without): the product's factor from a kernel that reads the
 # rows by index
 # (rows_factor, in the statistics kernel's blocks: rows_stats.BLOCK_ROWS, BLOCK_BATCH, BLOCK_DIM, WARPS, STAGES)
-# the kernel form's variants, by the benchmarks' --fc-kernels names: (GEMMS_IN_KERNELS, PRODUCT_IN_UPDATE,
-# FACTOR_IN_KERNEL)
+# the kernel form's variants, by the benchmarks' --fc-kernels names: their values of VARIANT_FLAGS
+VARIANT_FLAGS = ("GEMMS_IN_KERNELS", "PRODUCT_IN_UPDATE", "FACTOR_IN_KERNEL")
 VARIANTS = {"pallas": (True, False, False), "pallas_update": (False, False, False),
             "pallas_product": (False, True, False), "pallas_factor": (False, True, True)}
 _FORM = kernel_forms("rows-backward form")
@@ -87,13 +87,12 @@ forced = _FORM.forced  # forced(form): within the block, trace every tile_backwa
 @contextmanager
 def variant(name: str | None):
     """Within the block, trace the kernel form in ``VARIANTS[name]`` (None: as the module's constants are)."""
-    names = ("GEMMS_IN_KERNELS", "PRODUCT_IN_UPDATE", "FACTOR_IN_KERNEL")
-    before = tuple(globals()[n] for n in names)
-    globals().update(zip(names, VARIANTS[name] if name else before))
+    before = tuple(globals()[n] for n in VARIANT_FLAGS)
+    globals().update(zip(VARIANT_FLAGS, VARIANTS[name] if name else before))
     try:
         yield
     finally:
-        globals().update(zip(names, before))
+        globals().update(zip(VARIANT_FLAGS, before))
 
 
 # A rule maps (rows: tuple of [B, ...] arrays as stored, (product [B, D], radial [B]), their indices [B], *scalars)
