@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import optax
 from flax import nnx
 
@@ -52,6 +53,10 @@ class TrainStep:
         key = jax.random.fold_in(jax.random.wrap_key_data(state["key"]), state["step"])
         lr, scale = self.schedule(state["step"]), state["scale"]
         sample = self.head.sample(key, labels)
+        # the sample drawn before the forward starts: its scratch (PartialFC's sort of every class, ~15 B a class)
+        # is then freed before the activations are held, instead of adding to the step's peak where XLA's schedule
+        # happened to overlap them (benchmarks/gpu_plan.py's bytes per class)
+        sample, images = lax.optimization_barrier((sample, images))
         emb, stats, backbone_grads = self._embed(state, images)
         fc_step = partial(self.head.step, state["weight"], state["fc_opt"], emb, labels, sample, lr)
         loss, d_emb, weight, fc_opt = fc_step(with_update=not self.scaler.enabled)
