@@ -31,19 +31,20 @@ ROWS = (2**12, 2**13)  # FC rows per device of the two compiles
 D = 32  # tiny.py's embedding size
 
 
-def compiled_at(rows: int, fc_state_dtype: str = "same", backward: str | None = None):
-    """``(run, compiled step)`` of the tiny config, bfloat16 compute and FC weight (its state in ``fc_state_dtype``),
+def compiled_at(rows: int, fc_state_dtype: str = "same", backward: str | None = None, fc_dtype: str = "bfloat16"):
+    """``(run, compiled step)`` of the tiny config, bfloat16 compute, FC weight in ``fc_dtype`` (its state in
+    ``fc_state_dtype``),
     PartialFC 0.5, on 8 H100s; the FC path's kernels as ``--fc-kernels backward`` picks them (``jaxcls.bench.
     fc_kernels``; None: the platform's default, the statistics kernel and XLA's backward). Compiled
     once per process for each setting, however the call spells it (``functools.cache`` keys on the arguments as
     passed: ``compiled_at(R)`` and ``compiled_at(R, "same")`` compiled twice)."""
-    return _compiled_at(rows, fc_state_dtype, backward)
+    return _compiled_at(rows, fc_state_dtype, backward, fc_dtype)
 
 
 @functools.cache
-def _compiled_at(rows: int, fc_state_dtype: str, backward: str | None):
+def _compiled_at(rows: int, fc_state_dtype: str, backward: str | None, fc_dtype: str):
     config = get_config(num_classes=8 * rows, sample_rate=0.5, chunk_size=1024, precision="bfloat16",
-                        fc_dtype="bfloat16", fc_state_dtype=fc_state_dtype, mesh_data=2)
+                        fc_dtype=fc_dtype, fc_state_dtype=fc_state_dtype, mesh_data=2)
     with fc_kernels(backward):
         run = build(config, gpu_target.gpu_devices("h100", 8), with_data=False)
         return run, run.compile_step(run.abstract_state, gpu_target.COMPILE_OPTIONS)
@@ -51,15 +52,18 @@ def _compiled_at(rows: int, fc_state_dtype: str, backward: str | None):
 
 @pytest.mark.slow
 @pytest.mark.gpu_target
-@pytest.mark.parametrize("fc_state_dtype", ["same", "int8"])
-def test_the_fc_update_is_in_place_and_no_collective_grows_with_the_classes(fc_state_dtype):
-    (small_run, small), (big_run, big) = (compiled_at(rows, fc_state_dtype) for rows in ROWS)
+@pytest.mark.parametrize("fc_dtype,fc_state_dtype", [("bfloat16", "same"), ("bfloat16", "int8"), ("float32", "same")])
+def test_the_fc_update_is_in_place_and_no_collective_grows_with_the_classes(fc_dtype, fc_state_dtype):
+    """(XLA's backward updates 16-bit rows with a select of old and new in its scatters, float32 rows by dropping the
+    rows not kept: both in place.)"""
+    (small_run, small), (big_run, big) = (compiled_at(rows, fc_state_dtype, fc_dtype=fc_dtype) for rows in ROWS)
     assert big_run.mesh.devices.flat[0].device_kind == "NVIDIA H100 80GB HBM3"
     more_rows = ROWS[1] - ROWS[0]
     grown = {part: step_memory(big_run, big).parts[part] - step_memory(small_run, small).parts[part]
              for part in ("FC weight", "FC optimizer state")}
-    momentum_row = D * 2 if fc_state_dtype == "same" else D + 4  # bfloat16, or int8 and a float32 scale
-    assert grown == {"FC weight": more_rows * D * 2, "FC optimizer state": more_rows * momentum_row}
+    row = D * jnp.dtype(fc_dtype).itemsize
+    momentum_row = row if fc_state_dtype == "same" else D + 4  # as the weight, or int8 and a float32 scale
+    assert grown == {"FC weight": more_rows * row, "FC optimizer state": more_rows * momentum_row}
     # the weight and momentum are updated in place: the temporaries hold no FC-sized copy (XLA:CPU's do,
     # 2 × 64 B per row here); what grows is a few bytes per row of PartialFC's sampling, or nothing: XLA's buffer
     # assignment may pack the bigger program's temporaries a few hundred bytes tighter (-256 B seen)
