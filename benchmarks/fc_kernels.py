@@ -15,7 +15,7 @@ rows update (``jaxcls.losses.rows_backward``), on one tile of sampled rows.
 
 Rows (``kernel``: ``stats``, ``embedding_grad`` (the backward without the update: in the kernel form its first kernel
 alone), ``backward``; ``case``; ``form``; ``variant``, the kernel form's ``rows_backward.VARIANTS`` name, timed in
-turn with ``--fc-kernels``; the statistics kernel, the same in every variant, is timed in the first alone): the
+turn with ``--fc-kernels``; the statistics kernel, the same in every variant, is timed in the first alone, unnamed): the
 median ms of one call, synchronized, after warm-up (the update steps the
 same ``[C, D]`` weight and slots in place, call after call); the bytes the call must move at the least over that
 time (``least_GB_per_s``: for the backward each row of the weight and slots read and written once, for the
@@ -294,7 +294,8 @@ def main():
                     continue
                 for form in ["xla", kernel] if i == 0 else [kernel]:
                     rng = np.random.default_rng(j)  # each case's inputs the same in every run
-                    rows.append(dict(row(case, form, *sizes, rng), variant=_variant_name() if form != "xla" else "",
+                    named = form != "xla" and row is not stats_row  # (the statistics kernel has no variants)
+                    rows.append(dict(row(case, form, *sizes, rng), variant=_variant_name() if named else "",
                                      settings=settings if form != "xla" else {}))
                     print(rows[-1], flush=True)
         write_json(args.out, rows)  # after each combination: a sweep stopped by a time limit keeps what it timed
