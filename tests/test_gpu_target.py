@@ -33,9 +33,8 @@ D = 32  # tiny.py's embedding size
 
 def compiled_at(rows: int, fc_state_dtype: str = "same", backward: str | None = None, fc_dtype: str = "bfloat16"):
     """``(run, compiled step)`` of the tiny config, bfloat16 compute, FC weight in ``fc_dtype`` (its state in
-    ``fc_state_dtype``),
-    PartialFC 0.5, on 8 H100s; the FC path's kernels as ``--fc-kernels backward`` picks them (``jaxcls.bench.
-    fc_kernels``; None: the platform's default, the statistics kernel and XLA's backward). Compiled
+    ``fc_state_dtype``), PartialFC 0.5, on 8 H100s; the FC path's kernels as ``--fc-kernels backward`` picks them
+    (``jaxcls.bench.fc_kernels``; None: the platform's default, the statistics kernel and XLA's backward). Compiled
     once per process for each setting, however the call spells it (``functools.cache`` keys on the arguments as
     passed: ``compiled_at(R)`` and ``compiled_at(R, "same")`` compiled twice)."""
     return _compiled_at(rows, fc_state_dtype, backward, fc_dtype)
