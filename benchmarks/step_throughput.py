@@ -11,7 +11,8 @@
 Extra ``--set key=value`` pairs override config keys (e.g. ``--set chunk_size=65536``); ``--grouped-conv xla``
 times mbf with XLA's grouped convolutions (the form before ``jaxcls.models.grouped_conv``) for a before/after, and
 ``--fc-kernels xla|pallas|pallas_update|pallas_product|pallas_factor`` the FC path in one form
-(``jaxcls.losses.rows_stats``, ``rows_backward``; by default each platform's own).
+(``jaxcls.losses.rows_stats``, ``rows_backward``; by default each platform's own), ``--bn-backward autodiff``
+BatchNorm's backward as autodiff forms it instead of written out (``jaxcls.models.layers``).
 
 Timing is arcface_torch_bench.py's: each step synchronized (its outputs ready before the next is dispatched), the
 median of ``--steps`` (default 40) after ``--warmup`` (default 15) steps; img/s is the batch over that median.
@@ -26,7 +27,7 @@ import itertools
 
 from jaxcls.bench import FC_KERNELS, FC_KERNELS_HELP, fc_kernels, print_table, select, time_train_step, write_json
 from jaxcls.config import benchmark_config
-from jaxcls.models import grouped_conv
+from jaxcls.models import grouped_conv, layers
 from jaxcls.startup import simulate_cpu_devices
 
 
@@ -45,6 +46,8 @@ def main():
     parser.add_argument("--grouped-conv", choices=grouped_conv.LOWERINGS, default=None,
                         help="one lowering for every grouped convolution (default: each platform's own)")
     parser.add_argument("--fc-kernels", choices=FC_KERNELS, default=None, help=FC_KERNELS_HELP)
+    parser.add_argument("--bn-backward", choices=layers.BN_BACKWARDS, default=None,
+                        help="BatchNorm's backward in training: written out (the default) or autodiff's")
     parser.add_argument("--out", default="benchmarks/results/step_throughput.json")
     args = parser.parse_args()
     if args.small or args.cpu:
@@ -64,9 +67,11 @@ def main():
     for (model, batch, classes, rate, precision), bn_sync in itertools.product(grid, syncs):
         config = benchmark_config(small=args.small, overrides=args.set, model=model, batch_size=batch,
                                   num_classes=classes, sample_rate=rate, precision=precision, bn_sync=bn_sync)
-        with grouped_conv.forced(args.grouped_conv), fc_kernels(args.fc_kernels):
+        with (grouped_conv.forced(args.grouped_conv), fc_kernels(args.fc_kernels),
+              layers.bn_backward_forced(args.bn_backward)):
             row = time_train_step(config, steps, args.pipeline, warmup)
-        rows.append(dict(row, grouped_conv=args.grouped_conv or "platform", fc_kernels=args.fc_kernels or "platform"))
+        rows.append(dict(row, grouped_conv=args.grouped_conv or "platform", fc_kernels=args.fc_kernels or "platform",
+                         bn_backward=args.bn_backward or "written"))
     print_table(rows, ["model", "batch", "classes", "sample_rate", "precision", "bn_sync", "input", "img_per_s",
                        "ms_per_step", "compile_s", "peak_bytes", "temp_bytes"])
     write_json(args.out, rows)

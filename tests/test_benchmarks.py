@@ -21,7 +21,7 @@ SCRIPTS = {
     "loss.py": {"loss", "ms", "temp_bytes"},
     "fc_memory.py": {"C", "sample_rate", "dtype", "temp_bytes", "bytes_per_class"},
     "backbone_memory.py": {"model", "dtype", "remat", "saved_bytes", "temp_bytes"},
-    "step_throughput.py": {"model", "batch", "classes", "img_per_s", "temp_bytes"},
+    "step_throughput.py": {"model", "batch", "classes", "img_per_s", "temp_bytes", "bn_backward"},
     "max_classes.py": {"classes", "img_per_s", "is_max"},
     "input_pipeline.py": {"stage", "threads", "img_per_s"},
     "cross_host.py": {"class_axes", "mesh", "cross_host_MB_per_host", "collectives"},
@@ -40,9 +40,11 @@ SCRIPTS = {
     "partialfc_draw.py": {"classes", "rows", "form", "ms", "temp_bytes_per_class"},
 }
 NEEDS = {"inference_runtimes.py": "jax2onnx"}
-# what a script's --small run takes besides (fc_kernels.py: two of the kernel form's variants, two update cases)
+# what a script's --small run takes besides (fc_kernels.py: two of the kernel form's variants, two update cases;
+# step_throughput.py: BatchNorm's backward by autodiff, the form the default run does not trace)
 SMALL_ARGS = {"fc_kernels.py": ["--fc-kernels", "pallas,pallas_factor", "--update", "sgd/bfloat16/int8",
-                                "--update", "adamw/float32/float32"]}
+                                "--update", "adamw/float32/float32"],
+              "step_throughput.py": ["--bn-backward", "autodiff"]}
 GPU_TARGET = {"gpu_plan.py", "gpu_program.py"}  # compile for a GPU: JAX's CUDA plugin
 # scripts whose --small mode runs a full-width backbone: LLVM's optimizations pay for themselves there (69 s without)
 RUNS_A_BACKBONE = {"backbone_memory.py"}
@@ -208,6 +210,8 @@ def test_small_mode_writes_json(script, tmp_path):
                                                   for v in ("pallas", "pallas_factor")]
         timed = sorted((r["kernel"], r["form"], r["variant"]) for r in result["rows"])
         assert timed == sorted(2 * per_case), timed  # two cases of each kernel
+    if script == "step_throughput.py":
+        assert {r["bn_backward"] for r in result["rows"]} == {"autodiff"}
     if script == "inference_runtimes.py":  # every runtime embeds as JAX does
         assert {r["runtime"] for r in result["rows"]} == {"jax", "stablehlo", "onnxruntime"}
         assert all(r["max_rel_err"] <= 1e-4 for r in result["rows"])
