@@ -20,13 +20,16 @@ from jaxcls.registry import Forms
 
 BN_MOMENTUM = 0.9  # = torch momentum 0.1
 BN_EPS = 1e-5
-# BatchNorm's backward in training: "written" (``batch_normalized``, the default on every platform) or "autodiff" of
-# the same forward. Written moves fewer bytes (compiled for an H100: mbf at batch 512 60.5 GiB a step against 67.4)
-# and ran faster on XLA:CPU; on an H100 the steps of the code that has it timed slower than those of the code before
-# it (docs/benchmarks.md, 2026-11-27), and the next lease times both forms side by side (``--bn-backward``).
+# BatchNorm's backward in training, by platform: "written" (``batch_normalized``) on CPUs, "autodiff" of the same
+# forward elsewhere. Written moves fewer bytes (compiled for an H100: mbf at batch 512 60.5 GiB a step against 67.4)
+# and ran the r50 step faster on XLA:CPU; but XLA:GPU forms its sums from a stack of the terms, which it reduces with
+# scalar 2-byte loads and a branch per column (autodiff's reductions load 4 values at once), and the H100 steps of the
+# code that had it on GPUs ran slower (mbf at batch 512 53.4 ms against 44.9; docs/benchmarks.md, 2026-11-27).
+# The next lease times both on a GPU (``step_throughput.py --bn-backward``).
 BN_BACKWARDS = ("written", "autodiff")
 _BN_BACKWARD = Forms("BatchNorm backward", BN_BACKWARDS)
-bn_backward_forced = _BN_BACKWARD.forced  # bn_backward_forced(form): every BatchNorm traced in the block so
+# bn_backward_forced(form): every BatchNorm traced in the block in that form (None: by platform)
+bn_backward_forced = _BN_BACKWARD.forced
 
 
 class PReLU(nnx.Module):
@@ -44,8 +47,8 @@ class BatchNorm(nnx.Module):
     torch's defaults (momentum 0.1 → running = 0.9·running + 0.1·batch, eps 1e-5, unbiased running var).
     ``use_scale=False`` freezes the scale at 1 (arcface_torch's ``features`` layer). Written here rather than
     ``nnx.BatchNorm`` because the latter's in-place statistics update makes tracing quadratic in depth
-    (1.8 s of an r100 trace per 100 layers). In training its backward is written out (``batch_normalized``;
-    ``bn_backward_forced("autodiff")`` traces autodiff's instead).
+    (1.8 s of an r100 trace per 100 layers). In training its backward is written out (``batch_normalized``) on
+    CPUs and autodiff's elsewhere (``BN_BACKWARDS``; ``bn_backward_forced`` picks one).
 
     ``groups`` (static): in training, a batch ``[B, ..., C]`` is ``groups`` blocks of ``B / groups``
     consecutive rows, each normalized with its own mean and variance (with the batch split over ``groups``
@@ -74,7 +77,7 @@ class BatchNorm(nnx.Module):
             axes = tuple(range(x.ndim - 1))
             mean, var = _moments(x.astype(jnp.float32), axes, keepdims=True, one_pass=self.one_pass)
             self._update_running(mean.reshape(-1), var.reshape(-1), count=x.size // x.shape[-1])
-            return _training_form()(x, mean, var, *affine, axes, self.epsilon, self.dtype)
+            return _training_normalized(x, mean, var, *affine, axes, self.epsilon, self.dtype)
         b, c = x.shape[0], x.shape[-1]
         if b % self.groups:
             raise ValueError(f"BatchNorm in {self.groups} groups needs a batch divisible by it, got {b}")
@@ -84,7 +87,7 @@ class BatchNorm(nnx.Module):
         # one reduction of [2C] over the groups (an all-reduce when they lie on several devices), forward only
         both = jnp.mean(jnp.concatenate([mean, var], axis=-1).reshape(self.groups, 2 * c), axis=0)
         self._update_running(both[:c], both[c:], count=blocks[0].size // c)
-        return _training_form()(blocks, mean, var, *affine, axes, self.epsilon, self.dtype).reshape(x.shape)
+        return _training_normalized(blocks, mean, var, *affine, axes, self.epsilon, self.dtype).reshape(x.shape)
 
     def _update_running(self, mean, var, count: int):
         """running ← m·running + (1 − m)·batch for the batch ``mean`` and biased ``var`` ``[C]`` of ``count``
@@ -165,9 +168,15 @@ def _autodiff_normalized(x, mean, var, scale, bias, alpha, axes: tuple, epsilon:
     return _normalized(x, mean, var, scale, bias, alpha, epsilon, dtype)
 
 
-def _training_form():
-    """The function a training BatchNorm normalizes with: ``batch_normalized`` unless autodiff is forced."""
-    return _autodiff_normalized if _BN_BACKWARD.current() == "autodiff" else batch_normalized
+def _training_normalized(x, mean, var, scale, bias, alpha, axes: tuple, epsilon: float, dtype):
+    """``batch_normalized``'s value, its backward in the form forced or the platform's (staged with
+    ``lax.platform_dependent``, so a compile-only GPU on a CPU machine gets the GPU's)."""
+    forms = {name: (lambda *a, f=f: f(*a, axes, epsilon, dtype))
+             for name, f in (("written", batch_normalized), ("autodiff", _autodiff_normalized))}
+    args = (x, mean, var, scale, bias, alpha)
+    if (form := _BN_BACKWARD.current()) is not None:
+        return forms[form](*args)
+    return lax.platform_dependent(*args, cpu=forms["written"], default=forms["autodiff"])
 
 
 def _moments(x, axes, keepdims=False, one_pass=True):
