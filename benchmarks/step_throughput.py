@@ -11,8 +11,8 @@
 Extra ``--set key=value`` pairs override config keys (e.g. ``--set chunk_size=65536``); ``--grouped-conv xla``
 times mbf with XLA's grouped convolutions (the form before ``jaxcls.models.grouped_conv``) for a before/after, and
 ``--fc-kernels xla|pallas|pallas_update|pallas_product|pallas_factor`` the FC path in one form
-(``jaxcls.losses.rows_stats``, ``rows_backward``; by default each platform's own), ``--bn-backward autodiff``
-BatchNorm's backward as autodiff forms it instead of written out (``jaxcls.models.layers``).
+(``jaxcls.losses.rows_stats``, ``rows_backward``; by default each platform's own), ``--bn-backward written|autodiff``
+BatchNorm's backward in one form (``jaxcls.models.layers``; by default written out on CPUs, autodiff's elsewhere).
 
 Timing is arcface_torch_bench.py's: each step synchronized (its outputs ready before the next is dispatched), the
 median of ``--steps`` (default 40) after ``--warmup`` (default 15) steps; img/s is the batch over that median.
@@ -47,7 +47,7 @@ def main():
                         help="one lowering for every grouped convolution (default: each platform's own)")
     parser.add_argument("--fc-kernels", choices=FC_KERNELS, default=None, help=FC_KERNELS_HELP)
     parser.add_argument("--bn-backward", choices=layers.BN_BACKWARDS, default=None,
-                        help="BatchNorm's backward in training: written out (the default) or autodiff's")
+                        help="BatchNorm's backward in training (default: each platform's own)")
     parser.add_argument("--out", default="benchmarks/results/step_throughput.json")
     args = parser.parse_args()
     if args.small or args.cpu:
@@ -71,7 +71,7 @@ def main():
               layers.bn_backward_forced(args.bn_backward)):
             row = time_train_step(config, steps, args.pipeline, warmup)
         rows.append(dict(row, grouped_conv=args.grouped_conv or "platform", fc_kernels=args.fc_kernels or "platform",
-                         bn_backward=args.bn_backward or "written"))
+                         bn_backward=args.bn_backward or "platform"))
     print_table(rows, ["model", "batch", "classes", "sample_rate", "precision", "bn_sync", "input", "img_per_s",
                        "ms_per_step", "compile_s", "peak_bytes", "temp_bytes"])
     write_json(args.out, rows)
