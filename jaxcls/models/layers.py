@@ -74,20 +74,20 @@ class BatchNorm(nnx.Module):
         if self.use_running_average:
             return _normalized(x, self.mean.get_value(), self.var.get_value(), *affine, self.epsilon, self.dtype)
         if self.groups == 1:  # no reshape: the float rounding of runs from before groups existed, exactly
-            axes = tuple(range(x.ndim - 1))
-            mean, var = _moments(x.astype(jnp.float32), axes, keepdims=True, one_pass=self.one_pass)
+            y, mean, var = _training_normalized(x, *affine, tuple(range(x.ndim - 1)), self.epsilon, self.dtype,
+                                                self.one_pass)
             self._update_running(mean.reshape(-1), var.reshape(-1), count=x.size // x.shape[-1])
-            return _training_normalized(x, mean, var, *affine, axes, self.epsilon, self.dtype)
+            return y
         b, c = x.shape[0], x.shape[-1]
         if b % self.groups:
             raise ValueError(f"BatchNorm in {self.groups} groups needs a batch divisible by it, got {b}")
         blocks = x.reshape(self.groups, b // self.groups, *x.shape[1:])
-        axes = tuple(range(1, blocks.ndim - 1))
-        mean, var = _moments(blocks.astype(jnp.float32), axes, keepdims=True, one_pass=self.one_pass)
+        y, mean, var = _training_normalized(blocks, *affine, tuple(range(1, blocks.ndim - 1)), self.epsilon,
+                                            self.dtype, self.one_pass)
         # one reduction of [2C] over the groups (an all-reduce when they lie on several devices), forward only
         both = jnp.mean(jnp.concatenate([mean, var], axis=-1).reshape(self.groups, 2 * c), axis=0)
         self._update_running(both[:c], both[c:], count=blocks[0].size // c)
-        return _training_normalized(blocks, mean, var, *affine, axes, self.epsilon, self.dtype).reshape(x.shape)
+        return y.reshape(x.shape)
 
     def _update_running(self, mean, var, count: int):
         """running ← m·running + (1 − m)·batch for the batch ``mean`` and biased ``var`` ``[C]`` of ``count``
@@ -168,15 +168,24 @@ def _autodiff_normalized(x, mean, var, scale, bias, alpha, axes: tuple, epsilon:
     return _normalized(x, mean, var, scale, bias, alpha, epsilon, dtype)
 
 
-def _training_normalized(x, mean, var, scale, bias, alpha, axes: tuple, epsilon: float, dtype):
-    """``batch_normalized``'s value, its backward in the form forced or the platform's (staged with
-    ``lax.platform_dependent``, so a compile-only GPU on a CPU machine gets the GPU's)."""
-    forms = {name: (lambda *a, f=f: f(*a, axes, epsilon, dtype))
-             for name, f in (("written", batch_normalized), ("autodiff", _autodiff_normalized))}
-    args = (x, mean, var, scale, bias, alpha)
-    if (form := _BN_BACKWARD.current()) is not None:
-        return forms[form](*args)
-    return lax.platform_dependent(*args, cpu=forms["written"], default=forms["autodiff"])
+def _training_normalized(x, scale, bias, alpha, axes: tuple, epsilon: float, dtype, one_pass: bool):
+    """``(output, mean, var)``: ``x`` normalized by its own statistics over ``axes`` (``_moments``, kept as size-1
+    dims; ``mean`` and ``var`` carry no gradient out), differentiated in the form forced or the platform's (staged
+    with ``lax.platform_dependent``, so a compile-only GPU on a CPU machine gets the GPU's). Each form takes the
+    statistics itself: passed in, the forms' join gave them a zero cotangent that the written form's backward then
+    carried through the statistics (a read of ``x``; with bn_sync an all-reduce per layer)."""
+
+    def form(normalize):
+        def apply(x, scale, bias, alpha):
+            mean, var = _moments(x.astype(jnp.float32), axes, keepdims=True, one_pass=one_pass)
+            out = normalize(x, mean, var, scale, bias, alpha, axes, epsilon, dtype)
+            return out, lax.stop_gradient(mean), lax.stop_gradient(var)
+        return apply
+
+    forms = {"written": form(batch_normalized), "autodiff": form(_autodiff_normalized)}
+    if (name := _BN_BACKWARD.current()) is not None:
+        return forms[name](x, scale, bias, alpha)
+    return lax.platform_dependent(x, scale, bias, alpha, cpu=forms["written"], default=forms["autodiff"])
 
 
 def _moments(x, axes, keepdims=False, one_pass=True):
