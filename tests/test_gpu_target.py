@@ -275,8 +275,9 @@ def test_batchnorm_and_its_prelu_move_8_activations_a_layer_written_9_by_autodif
     """Per BatchNorm layer of a chain of mbf ConvBlocks (conv, BN, PReLU; the last without PReLU), in bfloat16 on
     an H100, the kernels move 8 activations' bytes: 3 in the forward (x read for the statistics, read again and the
     output written), 5 in the backward (x and the output's gradient read for the sums, read again and x's gradient
-    written), where XLA may fuse a forward pass with a backward one. Autodiff of the same forward (forced: the form
-    the next lease times beside it) writes PReLU's gradient and re-reads it: 9.4 a layer here."""
+    written), where XLA may fuse a forward pass with a backward one. Autodiff of the same forward, which GPUs take
+    by default (None; XLA:GPU reduces the written form's stacked sums with scalar loads), writes PReLU's gradient
+    and re-reads it: 9.4 a layer here."""
     batch, size, channels = 256, 16, 64
     model = nnx.Sequential(*(ConvBlock(channels, channels, linear=i == 2, dtype=jnp.bfloat16, bn_groups=1,
                                        rngs=nnx.Rngs(i)) for i in range(3)))
