@@ -10,7 +10,7 @@ rows update (``jaxcls.losses.rows_backward``), on one tile of sampled rows.
                                               # a sweep: every combination, XLA's form timed once
     python benchmarks/fc_kernels.py --registers --set rows_backward.UPDATE_WARPS=4,8
                                               # compile-only, no GPU: registers, spills, programs per SM
-    python benchmarks/fc_kernels.py --kernel backward --fc-kernels pallas_update,pallas_product,pallas_factor
+    python benchmarks/fc_kernels.py --kernel backward --fc-kernels pallas_update,pallas
                                               # the kernel form's variants (rows_backward.VARIANTS), XLA's form once
 
 Rows (``kernel``: ``stats``, ``embedding_grad`` (the backward without the update: in the kernel form its first kernel
@@ -123,8 +123,7 @@ def embedding_grad_row(weight_dtype, form, c, d, t, n, iters, warmup, rng):
 def compile_row_kernels(device, optimizer="sgd", weight="bfloat16", state="bfloat16", embeddings="bfloat16",
                         margin="arcface", rounding="nearest", n=128, options=None):
     """The row kernels (statistics, embeddings' gradient, update; with ``rows_backward.GEMMS_IN_KERNELS`` off the
-    statistics and the update alone, which multiplies the rows' product itself where ``PRODUCT_IN_UPDATE``, from a
-    factor that ``rows_factor`` writes where ``FACTOR_IN_KERNEL``) of one 65,536-row tile of a 1M × 512 weight,
+    statistics and the update alone) of one 65,536-row tile of a 1M × 512 weight,
     compiled by XLA for ``device`` (e.g. ``gpu_target.gpu_devices("h100", 1)[0]``: no GPU needed) with ``options``
     added to ``gpu_target.COMPILE_OPTIONS``."""
     at = lambda shape, dtype: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=SingleDeviceSharding(device))

@@ -10,7 +10,7 @@
 
 Extra ``--set key=value`` pairs override config keys (e.g. ``--set chunk_size=65536``); ``--grouped-conv xla``
 times mbf with XLA's grouped convolutions (the form before ``jaxcls.models.grouped_conv``) for a before/after, and
-``--fc-kernels xla|pallas|pallas_update|pallas_product|pallas_factor`` the FC path in one form
+``--fc-kernels xla|pallas|pallas_update`` the FC path in one form
 (``jaxcls.losses.rows_stats``, ``rows_backward``; by default each platform's own), ``--bn-backward written|autodiff``
 BatchNorm's backward in one form (``jaxcls.models.layers``; by default written out on CPUs, autodiff's elsewhere).
 

@@ -43,11 +43,8 @@ def time_ms(fn, *args, warmup: int = 3, iters: int = 20) -> float:
 FC_KERNELS = ("xla", *rows_backward.VARIANTS)
 FC_KERNELS_HELP = ("the FC path's row kernels (jaxcls.losses.rows_stats, rows_backward): xla, XLA's forms of both; "
                    "pallas, both Triton kernels (CUDA GPUs); pallas_update, the statistics kernel and XLA's GEMMs "
-                   "with the rows updated by a Triton kernel (rows_backward.GEMMS_IN_KERNELS off); pallas_product, "
-                   "the same with the rows' product multiplied in that kernel (and PRODUCT_IN_UPDATE on); "
-                   "pallas_factor, that with the product's factor from a kernel that reads the rows by index (and "
-                   "FACTOR_IN_KERNEL on); default, each platform's own (on CUDA GPUs the statistics kernel and XLA's "
-                   "backward)")
+                   "with the rows updated by a Triton kernel (rows_backward.GEMMS_IN_KERNELS off); default, each "
+                   "platform's own (on CUDA GPUs the statistics kernel and XLA's backward)")
 
 
 @contextmanager

@@ -42,7 +42,7 @@ SCRIPTS = {
 NEEDS = {"inference_runtimes.py": "jax2onnx"}
 # what a script's --small run takes besides (fc_kernels.py: two of the kernel form's variants, two update cases;
 # step_throughput.py: BatchNorm's backward by autodiff, the form the default run does not trace)
-SMALL_ARGS = {"fc_kernels.py": ["--fc-kernels", "pallas,pallas_factor", "--update", "sgd/bfloat16/int8",
+SMALL_ARGS = {"fc_kernels.py": ["--fc-kernels", "pallas,pallas_update", "--update", "sgd/bfloat16/int8",
                                 "--update", "adamw/float32/float32"],
               "step_throughput.py": ["--bn-backward", "autodiff"]}
 GPU_TARGET = {"gpu_plan.py", "gpu_program.py"}  # compile for a GPU: JAX's CUDA plugin
@@ -125,12 +125,11 @@ def test_fc_state_accuracy_storages_are_valid_glyphs_configs():
 def test_fc_kernels_takes_the_variants_by_name_and_not_beside_a_setting_of_their_flags():
     script = benchmark("fc_kernels")
     assert script._variants([], ["rows_backward.GEMMS_IN_KERNELS=0"]) == [None]  # the module's flags, as set
-    assert script._variants(["pallas_update,pallas_factor", "pallas"], []) == ["pallas_update", "pallas_factor",
-                                                                                "pallas"]
-    with pytest.raises(SystemExit, match="--fc-kernels triton: expected one of pallas, pallas_update, "):
+    assert script._variants(["pallas_update", "pallas"], []) == ["pallas_update", "pallas"]
+    with pytest.raises(SystemExit, match="--fc-kernels triton: expected one of pallas, pallas_update$"):
         script._variants(["pallas,triton"], [])
-    with pytest.raises(SystemExit, match="--set rows_backward.PRODUCT_IN_UPDATE=1: --fc-kernels sets "):
-        script._variants(["pallas_product"], ["rows_backward.UPDATE_WARPS=4", "rows_backward.PRODUCT_IN_UPDATE=1"])
+    with pytest.raises(SystemExit, match="--set rows_backward.GEMMS_IN_KERNELS=1: --fc-kernels sets "):
+        script._variants(["pallas_update"], ["rows_backward.UPDATE_WARPS=4", "rows_backward.GEMMS_IN_KERNELS=1"])
 
 
 def test_gpu_lease_logs_each_jobs_status_runs_fallbacks_resumes_and_carries_the_autotuning_cache(tmp_path):
@@ -207,7 +206,7 @@ def test_small_mode_writes_json(script, tmp_path):
     if script == "fc_kernels.py":  # each variant in turn, beside XLA's form once; the statistics kernel in the first
         per_case = [(k, "xla", "") for k in ("stats", "embedding_grad", "backward")] + [
             ("stats", "pallas_interpret", "")] + [(k, "pallas_interpret", v) for k in ("embedding_grad", "backward")
-                                                  for v in ("pallas", "pallas_factor")]
+                                                  for v in ("pallas", "pallas_update")]
         timed = sorted((r["kernel"], r["form"], r["variant"]) for r in result["rows"])
         assert timed == sorted(2 * per_case), timed  # two cases of each kernel
     if script == "step_throughput.py":

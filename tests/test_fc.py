@@ -209,9 +209,7 @@ def test_one_byte_state_matches_the_autodiff_route(state_dtype, as_bits, rng, mo
 def test_fused_step_through_the_row_kernels_equals_dense_float64_reference(layout, case, variant, rng, monkeypatch):
     """The step as a CUDA GPU runs it, its statistics and backward in jaxcls.losses' Pallas kernels (in Pallas'
     interpreter here), against float64: tiles that overlap, a sample, both optimizers; the backward's two kernels, or
-    XLA's GEMMs and the update kernel alone (rows_backward.GEMMS_IN_KERNELS off), or XLA's GEMM of the embeddings'
-    gradient and the update kernel multiplying the rows' product (PRODUCT_IN_UPDATE on), whose factor may come from
-    the rows_factor kernel (FACTOR_IN_KERNEL on). The interpreter runs inside
+    XLA's GEMMs and the update kernel alone (rows_backward.GEMMS_IN_KERNELS off). The interpreter runs inside
     shard_map only without its check of how values vary over the mesh, which the layouts here do not need (the rows
     vary over every axis the embeddings do)."""
     monkeypatch.setattr(jax, "shard_map", functools.partial(jax.shard_map, check_vma=False))
@@ -222,8 +220,8 @@ def test_fused_step_through_the_row_kernels_equals_dense_float64_reference(layou
             rows_backward.variant(variant):
         traced = str(jax.make_jaxpr(lambda *a: head.step(*a, lr))(weight, state, emb, labels, sample))
         result = run(head, weight, state, emb, labels, sample, lr)
-    # statistics, [embeddings' gradient or the factor,] update
-    assert traced.count("pallas_call") == (3 if variant in ("pallas", "pallas_factor") else 2)
+    # statistics, [embeddings' gradient,] update
+    assert traced.count("pallas_call") == (3 if variant == "pallas" else 2)
     check_step_against_reference(head, optimizer, (weight, state, emb, labels, sample and sample.rows, lr), result)
 
 

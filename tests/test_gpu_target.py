@@ -134,18 +134,15 @@ def test_the_fc_rows_are_read_by_index_and_updated_by_kernels_that_touch_each_on
 
 @pytest.mark.slow
 @pytest.mark.gpu_target
-@pytest.mark.parametrize("backward", ["pallas_update", "pallas_product", "pallas_factor"])
-def test_the_update_kernel_alone_updates_the_rows_in_place_after_xlas_gemms(backward):
+def test_the_update_kernel_alone_updates_the_rows_in_place_after_xlas_gemms():
     """With rows_backward.GEMMS_IN_KERNELS off (``--fc-kernels pallas_update``) XLA's GEMMs form the embeddings' and
     the rows' gradients from one gathered copy of the weight's rows, and rows_update, once per tile, reads the rows
     and their momentum by index and writes them in place: no scatter and no gathered momentum in the tile loops
     (XLA's form gathers both and scatters each, re-reading the gathered rows: 18.1 KB a sampled row at batch 128,
-    D = 512, bfloat16, against this form's 13.1; benchmarks/fc_bytes_per_row.py), and no temporary that grows with
-    the classes. With PRODUCT_IN_UPDATE as well (``pallas_product``) the kernel multiplies the rows' product itself:
-    no GEMM in the tile loops writes a ``[T, D]`` array. With FACTOR_IN_KERNEL too (``pallas_factor``) rows_factor,
-    once per tile, reads the rows by index and writes their copy for the embeddings' GEMM: nothing is gathered."""
-    small = compiled_at(ROWS[0], backward=backward)[1]
-    text = small.as_text()
+    D = 512, bfloat16, against this form's 13.1; benchmarks/fc_bytes_per_row.py). Its gather and GEMMs are XLA's
+    form's, whose temporaries test_the_fc_update_is_in_place_and_no_collective_grows_with_the_classes holds to the
+    class count."""
+    text = compiled_at(ROWS[0], backward="pallas_update")[1].as_text()
     found = kernels(text)
     ours = [k for k in found if "/rows_update/pallas_call" in k.origin]
     assert len(ours) == 1 and ours[0].count > 1, ours
@@ -154,22 +151,13 @@ def test_the_update_kernel_alone_updates_the_rows_in_place_after_xlas_gemms(back
     assert not [k.origin for k in in_loops if "/scatter" in k.origin]
     gathered = sum(k.moved_bytes for k in in_loops if "gather" in k.name)  # fusions named by the ops they fuse
     tile = 1024 * D * 2  # chunk_size rows of the bfloat16 weight
-    factors = [k for k in found if "/rows_factor/pallas_call" in k.origin]
-    if backward == "pallas_factor":
-        assert gathered == 0 and len(factors) == 1 and factors[0].count > 1, (gathered, factors)
-    else:  # the weight's rows read and their copy written, alone (0: XLA named the fusion otherwise, or fused it)
-        assert tile * 2 <= gathered < tile * 3 and not factors, gathered / tile
+    # the weight's rows read and their copy written, alone (0: XLA named the fusion otherwise, or fused it)
+    assert tile * 2 <= gathered < tile * 3, gathered / tile
     # the rows' product [T, D] in the compute dtype, written for the kernel (the other GEMMs write float32 arrays)
     products = [k.name for k in in_loops if k.kind == "GEMM" and k.dtype == "bf16" and k.result_bytes == tile]
-    assert len(products) == (backward == "pallas_update"), products
+    assert len(products) == 1, products
     launches = [line for line in text.splitlines() if 'name = "rows_update"' in line]
     assert launches and all("output_to_operand_aliasing" in line for line in launches)  # in place
-    # one second compile (~25 s): each variant's update writes in place (above), the other two's gather and GEMMs are
-    # XLA's form's, whose growth test_the_fc_update_is_in_place_and_no_collective_grows_with_the_classes holds
-    if backward == "pallas_factor":
-        extra = compiled_at(ROWS[1], backward=backward)[1].memory_analysis().temp_size_in_bytes - \
-            small.memory_analysis().temp_size_in_bytes
-        assert -4096 <= extra <= 4 * (ROWS[1] - ROWS[0]), extra
 
 
 @pytest.mark.slow
@@ -217,19 +205,17 @@ def test_the_fc_path_moves_at_most_8_kb_per_sampled_row(tmp_path):
 @pytest.mark.parametrize("variant", list(rows_backward.VARIANTS))
 def test_the_row_kernels_compile_for_an_h100_at_full_size(optimizer, weight, state, embeddings, margin, rounding,
                                                           variant):
-    """Each FC row kernel (statistics, embeddings' gradient, update; or the update alone after XLA's GEMMs, given the
-    rows' product or multiplying it, its factor from XLA or from rows_factor) through Triton for an H100 at D = 512,
-    a 65,536-row tile, N = 128, for each optimizer rule, storage, compute dtype, margin family (acos for SphereFace)
-    and the weight's rounding (stochastic: integer hashing): a rule or margin with an operation Triton lacks, or a
-    block too large for an SM, fails here rather than in a lease."""
+    """Each FC row kernel (statistics, embeddings' gradient, update; or the update alone after XLA's GEMMs) through
+    Triton for an H100 at D = 512, a 65,536-row tile, N = 128, for each optimizer rule, storage, compute dtype, margin
+    family (acos for SphereFace) and the weight's rounding (stochastic: integer hashing): a rule or margin with an
+    operation Triton lacks, or a block too large for an SM, fails here rather than in a lease."""
     with rows_backward.variant(variant):
         compiled = benchmark("fc_kernels").compile_row_kernels(gpu_target.gpu_devices("h100", 1)[0], optimizer,
                                                                weight, state, embeddings, margin, rounding)
     text = compiled.as_text()
-    gemms_in_kernels, _, factor_in_kernel = rows_backward.VARIANTS[variant]
-    expected = {"rows_stats", "rows_update"} | ({"rows_embedding_grad"} if gemms_in_kernels else set()) | (
-        {"rows_factor"} if factor_in_kernel else set())
-    assert {kernel for kernel in ("rows_stats", "rows_embedding_grad", "rows_factor", "rows_update")
+    (gemms_in_kernels,) = rows_backward.VARIANTS[variant]
+    expected = {"rows_stats", "rows_update"} | ({"rows_embedding_grad"} if gemms_in_kernels else set())
+    assert {kernel for kernel in ("rows_stats", "rows_embedding_grad", "rows_update")
             if f'name = "{kernel}"' in text} == expected
 
 

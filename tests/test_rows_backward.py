@@ -3,9 +3,6 @@ kernels (run by Pallas' interpreter here) and by XLA's form, against float64. (t
 kernels too, test_sharded holds the chunked loss to float64 in XLA's form, and test_gpu_target finds the kernels in
 the step compiled for an H100.)"""
 
-
-from unittest import mock
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,16 +12,13 @@ from jaxcls.fc.head import optimizer_rule
 from jaxcls.fc.optimizers import adamw, decode, encode, sgd
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxcls.losses import kernel_forms, rows_backward, rows_stats, tiles
+from jaxcls.losses import kernel_forms, rows_backward, tiles
 from reference import MARGINS, adamw_step, margin_target, rel_err, sgd_step
 
-# each form: (the form forced, its variant, rows_backward.VARIANTS): XLA's form, the kernels (interpreted), the update
-# kernel alone on XLA's GEMMs, that kernel multiplying the rows' product itself, and with the product's factor from
-# the rows_factor kernel
+# each form: (the form forced, its variant, rows_backward.VARIANTS): XLA's form, the kernels (interpreted), and the
+# update kernel alone on XLA's GEMMs
 VARIANTS = {"xla": ("xla", None), "pallas_interpret": ("pallas_interpret", "pallas"),
-            "update_kernel_interpret": ("pallas_interpret", "pallas_update"),
-            "product_kernel_interpret": ("pallas_interpret", "pallas_product"),
-            "factor_kernel_interpret": ("pallas_interpret", "pallas_factor")}
+            "update_kernel_interpret": ("pallas_interpret", "pallas_update")}
 FORMS = tuple(VARIANTS)
 
 
@@ -107,9 +101,6 @@ def test_every_form_gives_the_float64_gradients_of_the_embeddings_and_the_kept_r
     monkeypatch.setattr(rows_backward, "GRAD_PROGRAMS", programs)
     for name in ("GRAD_BLOCK_DIM", "UPDATE_BLOCK_DIM"):  # the products over two slices of the 32 dimensions
         monkeypatch.setattr(rows_backward, name, 16)
-    # rows_factor (in the statistics kernel's blocks): two slices, and blocks of 16 embeddings, so several a batch
-    monkeypatch.setattr(rows_stats, "BLOCK_DIM", 16)
-    monkeypatch.setattr(rows_stats, "BLOCK_BATCH", 16)
     margin = MARGINS[margin]
     weight, index, where, e_n = draw_tile(rng, dtype)
     lse = tile_lse(e_n, weight[index], margin, where, rng)
@@ -121,12 +112,10 @@ def test_every_form_gives_the_float64_gradients_of_the_embeddings_and_the_kept_r
     rows, kept = np.asarray(index), np.asarray(keep)
     # float32 cosines of s = 64 logits, or 16-bit embeddings and rows (bfloat16: 8 bits) rounded once per tile
     tolerance = {jnp.float32: 1e-4, jnp.bfloat16: 3e-2, jnp.float16: 5e-3}[dtype]
-    row_grads = {}
     for form in FORMS:
         sink = jnp.zeros(weight.shape, jnp.float32)
         d_e, (same, grads) = backward(form, (weight, sink), index, where, e_n, jnp.asarray(lse, jnp.float32),
                                       jnp.asarray(g, jnp.float32), margin, keep, gradient_rule, reads=1)
-        row_grads[form] = np.asarray(grads)[rows[kept]]
         assert d_e.dtype == jnp.float32 and rel_err(np.asarray(d_e), want_e) < tolerance, form
         assert rel_err(np.asarray(grads)[rows[kept]], np.asarray(want_w)[kept]) < tolerance, form
         untouched = np.setdiff1d(np.arange(len(weight)), rows[kept])
@@ -135,10 +124,6 @@ def test_every_form_gives_the_float64_gradients_of_the_embeddings_and_the_kept_r
                                         jnp.asarray(g, jnp.float32), margin)
         np.testing.assert_array_equal(d_e_alone, d_e, err_msg=form)
         assert np.array_equal(unchanged[0], weight), form
-    # the update kernel multiplying the product rounds it to the embeddings' dtype as XLA's GEMM does: 16-bit
-    # products equal but where the two float32 sums straddle a rounding cut
-    given, multiplied = row_grads["update_kernel_interpret"], row_grads["product_kernel_interpret"]
-    assert rel_err(multiplied, given) < 1e-5 if dtype == jnp.float32 else np.mean(multiplied == given) > 0.99
 
 
 # (optimizer, weight dtype, state dtype, weight rounding)
@@ -207,12 +192,7 @@ def test_the_kernels_are_used_only_where_they_can_be(rng):
         return str(jax.make_jaxpr(lambda arrays: backward(form, arrays, index, where, e_n, lse, g, MARGINS["cosface"],
                                                           jnp.ones(10, bool), keep_rows))((weight, *slots)))
     assert trace("pallas_interpret", 32).count("pallas_call") == 2  # the embeddings' gradient, then the update
-    for form, multiplies in (("update_kernel_interpret", False), ("product_kernel_interpret", True)):
-        with mock.patch.object(rows_backward, "_multiplied_row_grad",
-                               side_effect=rows_backward._multiplied_row_grad) as multiplied:
-            assert trace(form, 32).count("pallas_call") == 1  # the update alone, given or multiplying the product
-        assert multiplied.called == multiplies, form
-    assert trace("factor_kernel_interpret", 32).count("pallas_call") == 2  # rows_factor, then the update
+    assert trace("update_kernel_interpret", 32).count("pallas_call") == 1  # the update alone, after XLA's GEMMs
     assert "pallas_call" not in trace("xla", 32)
     assert "pallas_call" not in trace("pallas_interpret", 24)  # not a power of two
     assert "pallas_call" not in trace("pallas_interpret", 32, rows=(12,))  # a slot's rows of 12: no Triton block
@@ -258,7 +238,5 @@ def test_rows_replicated_over_axes_that_hold_other_embeddings_take_xlas_form():
         return str(jax.jit(shard).trace(placed((64, 32), weight_spec), placed((16, 32), P(("data", "class")))).jaxpr)
     assert traced(P(("data", "class"))).count("pallas_call") == 2
     assert "pallas_call" not in traced(P("class"))
-    # the embeddings' gradient alone (no update) reaches the kernel form; rows_factor's outputs vary as the rows do, so
-    # it serves only rows that vary over every axis the embeddings do
-    assert traced(P(("data", "class")), "factor_kernel_interpret", update=False).count("pallas_call") == 1
-    assert "pallas_call" not in traced(P("class"), "factor_kernel_interpret", update=False)
+    # the embeddings' gradient alone (no update) is no sum over devices: it takes the kernel form either way
+    assert traced(P("class"), update=False).count("pallas_call") == 1

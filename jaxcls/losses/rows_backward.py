@@ -7,7 +7,7 @@ hit L1/L2; not yet measured).
 ``(d_e, arrays)``: the gradient ``[N, D]`` float32 of ``Σ_n g[n]·loss[n]`` w.r.t. ``e_n`` through the tile of rows
 ``index`` of ``arrays[0]`` (the weight), and ``arrays`` (the weight and its optimizer slots, all ``[C_local, ...]``)
 with the rows ``index`` replaced where ``keep`` holds by ``rule(rows, (product, radial), index, *scalars)``, the
-rows' gradient in ``tiles.tile_grad_parts``' two parts. Two forms compute it, the first in four variants:
+rows' gradient in ``tiles.tile_grad_parts``' two parts. Two forms compute it, the first in two variants:
 
 - ``"pallas"`` (when forced, or on CUDA GPUs where ``KERNEL_ON_CUDA``): two Triton kernels that read the rows by
   index and recompute each block's cosines and their gradient on chip from the tile's log-sum-exp (no ``[N, T]``
@@ -16,16 +16,12 @@ rows' gradient in ``tiles.tile_grad_parts``' two parts. Two forms compute it, th
   block of rows, sums the rows' gradient over the batch, applies ``rule`` in registers and stores the rows back in
   place. It runs after the first, which needs the rows as they were. ``d_e`` stays float32 over the whole tile
   (XLA's form rounds it to the embeddings' dtype).
-  With ``GEMMS_IN_KERNELS`` off, XLA's GEMMs give ``d_e`` (rounded as in XLA's form) and the rows' gradient parts
-  from a gathered copy of the weight's rows, and only the update is a kernel: one program per block of rows reads
-  the rows' product, the rows and their slots by index and stores the new rows in place, each row read and written
-  once, with no loop over the batch. With ``PRODUCT_IN_UPDATE`` as well, XLA's GEMM gives ``d_e`` alone, and the
-  update kernel multiplies its rows' product itself from the cosines' gradient ``[N, T]`` (the GEMM's operand,
-  ``N`` values a row) and the embeddings, which every program reads (from L2: ``N·D`` a block of rows), instead
-  of reading a ``[T, D]`` product that XLA wrote. With ``FACTOR_IN_KERNEL`` too, that factor comes from
-  ``rows_factor``, a kernel in the statistics kernel's blocks that reads the rows by index, recomputes their
-  cosines and writes the factor, the norms' partial gradients and a copy of the rows for the embeddings' GEMM,
-  where XLA's form gathers the rows and writes float32 cosines for a fusion to read back.
+  With ``GEMMS_IN_KERNELS`` off (``"pallas_update"``), XLA's GEMMs give ``d_e`` (rounded as in XLA's form) and the
+  rows' gradient parts from a gathered copy of the weight's rows, and only the update is a kernel: one program per
+  block of rows reads the rows' product, the rows and their slots by index and stores the new rows in place, each row
+  read and written once, with no loop over the batch. (Two more variants, the rows' product multiplied in that kernel
+  and its factor from a kernel of its own, moved fewer bytes; an H100 timed both slower than this one, and they were
+  removed.)
 - ``"xla"`` (the default on every platform, CUDA GPUs included: an H100 timed it faster than the untuned kernels;
   always for rows a Triton block does not fit, and for rows replicated over mesh axes that hold other embeddings,
   whose gradient is a sum over devices that autodiff forms and no kernel sees): ``gathered()`` (the rows as the
@@ -65,22 +61,15 @@ UPDATE_WARPS = 8
 GRAD_BLOCK_DIM = UPDATE_BLOCK_DIM = 64  # the cosines' products take the embedding dimension in slices of this many
 GRAD_STAGES = UPDATE_STAGES = 1  # Triton's software-pipelining stages of each kernel's loop
 # Chosen by registers, compiled for an H100 (benchmarks/fc_kernels.py --registers): 128 a thread in both kernels, no
-# spills, two programs an SM. Not yet timed: the settings an H100 timed on 2026-11-26 (whole-D products, 32
-# embeddings a block, 4 warps in the update: 202 and 255 registers, spills) took 1.3-1.5x the time of XLA's form for a
-# 65,536-row tile at N = 128, and the chunked loss about 3x at N = 512, so XLA's form is the default on CUDA GPUs too
-# (forced("pallas") runs the kernels) until timed kernels beat it (fc_kernels.py --set rows_backward.NAME=V1,V2).
+# spills, two programs an SM. An H100 timed them at 2-3x XLA's form's time for a 65,536-row tile at N = 128 (2026-11-27;
+# 1.3-1.5x on 2026-11-26 with other settings), and the update kernel alone (GEMMS_IN_KERNELS off) at 0.71-0.81x. A
+# tile is not the step: XLA's form stays the default on CUDA GPUs until the step is timed in both forms
+# (benchmarks/lease_jobs.txt); forced("pallas") runs the kernels, variant() picks which.
 KERNEL_ON_CUDA = False
-GEMMS_IN_KERNELS = True  # False: XLA's GEMMs form d_e and (unless PRODUCT_IN_UPDATE) the rows' product; a kernel
-# updates the rows
-PRODUCT_IN_UPDATE = False  # with GEMMS_IN_KERNELS off: XLA's GEMM forms d_e alone, the update kernel the product
-PRODUCT_BLOCK_BATCH = 32  # embeddings per step of that kernel's product (bfloat16: 126 registers at 8 warps, no spills)
-FACTOR_IN_KERNEL = False  # with PRODUCT_IN_UPDATE (inert without): the product's factor from a kernel that reads the
-# rows by index
-# (rows_factor, in the statistics kernel's blocks: rows_stats.BLOCK_ROWS, BLOCK_BATCH, BLOCK_DIM, WARPS, STAGES)
+GEMMS_IN_KERNELS = True  # False: XLA's GEMMs form d_e and the rows' product; a kernel updates the rows
 # the kernel form's variants, by the benchmarks' --fc-kernels names: their values of VARIANT_FLAGS
-VARIANT_FLAGS = ("GEMMS_IN_KERNELS", "PRODUCT_IN_UPDATE", "FACTOR_IN_KERNEL")
-VARIANTS = {"pallas": (True, False, False), "pallas_update": (False, False, False),
-            "pallas_product": (False, True, False), "pallas_factor": (False, True, True)}
+VARIANT_FLAGS = ("GEMMS_IN_KERNELS",)
+VARIANTS = {"pallas": (True,), "pallas_update": (False,)}
 _FORM = kernel_forms("rows-backward form")
 forced = _FORM.forced  # forced(form): within the block, trace every tile_backward in that form (None: by platform)
 
@@ -123,13 +112,11 @@ def tile_backward(arrays: tuple, index, where: tiles.TileColumns, e_n, lse, g, m
                kernel_on_cuda=KERNEL_ON_CUDA)
 
 
-def _xla_form(arrays, index, where, e_n, lse, g, keep, *scalars, margin, rule, gathered, reads, update=None,
-              parts=None):
-    """``parts()``, by default XLA's GEMMs on the gathered rows (``tiles.tile_grad_parts``): ``(d_e, *row_grad)``;
-    then ``update(arrays, index, row_grad, keep, scalars, rule, reads)``: XLA's gather and scatter
-    (``_xla_update``), or the update kernel (``_update_given``; ``_update_multiplying``, given the product's
-    factor)."""
-    d_e, *row_grad = parts() if parts else tiles.tile_grad_parts(e_n, gathered(), where, margin, lse, g)
+def _xla_form(arrays, index, where, e_n, lse, g, keep, *scalars, margin, rule, gathered, reads, update=None):
+    """XLA's GEMMs on the gathered rows (``tiles.tile_grad_parts``): ``(d_e, *row_grad)``; then ``update(arrays,
+    index, row_grad, keep, scalars, rule, reads)``: XLA's gather and scatter (``_xla_update``), or the update kernel
+    (``_update_given``)."""
+    d_e, *row_grad = tiles.tile_grad_parts(e_n, gathered(), where, margin, lse, g)
     d_e = d_e.astype(jnp.float32)
     if keep is None:
         return d_e, arrays
@@ -156,66 +143,13 @@ def _xla_update(arrays, index, row_grad, keep, scalars, rule, reads):
 
 def _pallas_form(arrays, index, where, e_n, lse, g, keep, *scalars, margin, rule, reads, gathered, interpret: bool):
     if not GEMMS_IN_KERNELS:
-        parts, update = None, _update_given
-        if PRODUCT_IN_UPDATE:
-            parts, update = (lambda: tiles.tile_grad_parts(e_n, gathered(), where, margin, lse, g, multiplied=False),
-                             partial(_update_multiplying, e_n=e_n))
-            if FACTOR_IN_KERNEL and not varying_axes(e_n) - varying_axes(arrays[0]):  # its outputs vary as the rows
-                parts = partial(_factor_parts, arrays[0], index, where, e_n, lse, g, margin, interpret)
         return _xla_form(arrays, index, where, e_n, lse, g, keep, *scalars, margin=margin, rule=rule,
-                         gathered=gathered, reads=reads, update=partial(update, interpret=interpret), parts=parts)
+                         gathered=gathered, reads=reads, update=partial(_update_given, interpret=interpret))
     d_e = _embedding_grad(arrays[0], index, where, e_n, lse, g, margin, interpret)
     if keep is None:
         return d_e, arrays
     return d_e, arrays[:reads] + _update(arrays, index, where, e_n, lse, g, keep, scalars, margin, rule, reads,
                                          interpret)
-
-
-def _factor_parts(weight, index, where, e_n, lse, g, margin, interpret):
-    """``tiles.tile_grad_parts(..., multiplied=False)`` with the cosines and their gradient from ``rows_factor``, a
-    kernel in the statistics kernel's blocks that reads the rows by index, writes the product's factor ``[N, T]``,
-    the norms' partial gradients and, once per block of rows, their copy in ``e_n``'s dtype for the embeddings'
-    GEMM, where XLA's form gathers the rows, multiplies them into float32 cosines and reads those back."""
-    (n, d), t = e_n.shape, index.shape[0]
-    grid, in_specs, inputs = rows_stats.blocked(weight, index, where, e_n, lse, g)
-    padded_n, padded_t = grid[0] * rows_stats.BLOCK_BATCH, grid[1] * rows_stats.BLOCK_ROWS
-    factor, d_inverse, copy, squares = pl.pallas_call(
-        partial(_factor_kernel, margin=margin),
-        grid=grid, in_specs=in_specs,
-        out_specs=[pl.BlockSpec((rows_stats.BLOCK_BATCH, rows_stats.BLOCK_ROWS), lambda b, r: (b, r)),
-                   pl.BlockSpec((1, rows_stats.BLOCK_ROWS), lambda b, r: (b, r)),
-                   pl.BlockSpec((rows_stats.BLOCK_ROWS, d), lambda b, r: (r, 0)), in_specs[0]],
-        out_shape=[varying_like(weight, (padded_n, padded_t), tiles.gradient_product_dtype(e_n.dtype)),
-                   varying_like(weight, (grid[0], padded_t), jnp.float32),
-                   varying_like(weight, (padded_t, d), e_n.dtype), varying_like(weight, (padded_t,), jnp.float32)],
-        interpret=interpret, name="rows_factor",
-        compiler_params=compiler_params(interpret, rows_stats.WARPS, rows_stats.STAGES),
-    )(*inputs)
-    factor, copy, squares = factor[:n, :t], copy[:t], squares[:t]
-    _, pull_e = jax.vjp(lambda e: tiles.cosines(e, copy), e_n)  # d_e as XLA's form multiplies it (its forward unused)
-    (d_e,) = pull_e(factor.astype(jnp.float32))  # (exact: the factor is the float32 gradient rounded)
-    d_inverse = jnp.sum(d_inverse, axis=0)[:t]
-    return d_e, factor, tiles.radial_part(d_inverse, tiles.inverse_of_squares(squares), squares)
-
-
-def _factor_kernel(index_ref, columns_ref, kept_ref, rel_ref, lse_ref, g_ref, e_ref, weight_ref, factor_ref,
-                   d_inverse_ref, copy_ref, squares_ref, *, margin):
-    index, d = index_ref[...], e_ref.shape[1]
-    products, squares = sliced_products(lambda dims: e_ref[:, dims], lambda dims: weight_ref[index, dims], d,
-                                        rows_stats.BLOCK_DIM)
-    where = tiles.TileColumns(rel_ref[...], columns_ref[...], kept_ref[...])
-    d_products, d_inverse = tiles.cosine_grads(products, tiles.inverse_of_squares(squares), where, margin,
-                                               lse_ref[...], g_ref[...])
-    factor_ref[...] = d_products.astype(factor_ref.dtype)
-    d_inverse_ref[...] = d_inverse[None, :]
-
-    @pl.when(pl.program_id(0) == 0)
-    def _():  # the first block of embeddings writes its rows' copy (as XLA's form rounds it) and squared norms
-        squares_ref[...] = squares
-        width = min(rows_stats.BLOCK_DIM, d)
-        for k in range(d // width):
-            dims = pl.ds(k * width, width)
-            copy_ref[:, dims] = weight_ref[index, dims].astype(jnp.float32).astype(copy_ref.dtype)
 
 
 def _embedding_grad(weight, index, where, e_n, lse, g, margin, interpret):
@@ -274,17 +208,6 @@ def _update_given(arrays, index, row_grad, keep, scalars, rule, reads, interpret
                                          interpret)
 
 
-def _update_multiplying(arrays, index, row_grad, keep, scalars, rule, reads, *, e_n, interpret):
-    """The update kernel that multiplies the rows' product from its factor ``[N, T]`` and ``e_n`` ``[N, D]``
-    (``tiles.tile_grad_parts`` not ``multiplied``): ``arrays`` with the written ones updated. The factor's columns
-    are padded as ``pad_rows`` pads the rows, the batch with zero embeddings."""
-    factor, radial = row_grad
-    batch_pad = ((0, -e_n.shape[0] % PRODUCT_BLOCK_BATCH), (0, 0))
-    factor = jnp.pad(pad_rows(factor.T, UPDATE_BLOCK_ROWS).T, batch_pad)
-    return arrays[:reads] + _update_call(arrays, index, keep, (radial,), (factor, jnp.pad(e_n, batch_pad)), scalars,
-                                         _multiplied_row_grad, rule, reads, interpret)
-
-
 def _update_call(arrays, index, keep, by_row, whole, scalars, row_grad, rule, reads, interpret):
     """One program per ``UPDATE_BLOCK_ROWS`` rows of ``index``: ``row_grad(index, weight_ref, *by_row blocks, *whole)``
     gives their gradient parts, ``rule`` their new rows, stored in place where ``keep``. ``by_row``: ``[T, ...]``
@@ -325,22 +248,6 @@ def _update_kernel(index_ref, keep_ref, *refs, row_grad, rule, num_by_row, num_w
 
 def _given_row_grad(index, weight_ref, product_ref, radial_ref):
     return product_ref[...], radial_ref[...]
-
-
-def _multiplied_row_grad(index, weight_ref, radial_ref, factor_ref, e_ref):
-    """The rows' product ``factor[:, rows]ᵀ e_n`` (multiplied in the factor's dtype, rounded to the embeddings' as
-    XLA's form rounds it), ``PRODUCT_BLOCK_BATCH`` embeddings at a time, and their radial part."""
-    rows = pl.ds(pl.program_id(0) * UPDATE_BLOCK_ROWS, UPDATE_BLOCK_ROWS)
-    dtype = factor_ref.dtype
-
-    def add_block(b, product):
-        at = pl.ds(b * PRODUCT_BLOCK_BATCH, PRODUCT_BLOCK_BATCH)
-        factor, e = factor_ref[at, rows], e_ref[at, :].astype(dtype)
-        return product + pallas_triton.dot(factor, e, trans_a=True).astype(jnp.float32)
-
-    product = lax.fori_loop(0, e_ref.shape[0] // PRODUCT_BLOCK_BATCH, add_block,
-                            jnp.zeros((index.shape[0], e_ref.shape[1]), jnp.float32))
-    return product.astype(e_ref.dtype), radial_ref[...]
 
 
 def _summed_row_grad(index, weight_ref, columns_ref, kept_ref, rel_ref, lse_ref, g_ref, e_ref, *, margin):

@@ -57,24 +57,22 @@ def fits_a_block(weight, e_n) -> bool:
     return d & (d - 1) == 0 and d >= 16 and e_n.shape[1] == d and jnp.issubdtype(weight.dtype, jnp.floating)
 
 
-def blocked(weight, index, where: tiles.TileColumns, e_n, *batch):
-    """``(grid, in_specs, inputs)`` of a ``pallas_call`` in this kernel's blocks (``rows_backward``'s ``rows_factor``
-    shares them): a program per block of ``BLOCK_BATCH`` embeddings and block of ``BLOCK_ROWS`` rows read by index,
-    whose kernel takes ``(index, columns, kept, rel, *batch, e_n, weight)``, each padded to whole blocks
-    (``block_index``, ``block_columns``, ``block_batch``; ``batch``: the log-sum-exp and each embedding's weight in
-    the loss, or nothing)."""
+def _blocked(weight, index, where: tiles.TileColumns, e_n):
+    """``(grid, in_specs, inputs)`` of this kernel's ``pallas_call``: a program per block of ``BLOCK_BATCH``
+    embeddings and block of ``BLOCK_ROWS`` rows read by index, whose kernel takes ``(index, columns, kept, rel, e_n,
+    weight)``, each padded to whole blocks (``block_index``, ``block_columns``, ``block_batch``)."""
     index, where = block_index(index, BLOCK_ROWS), block_columns(where, BLOCK_ROWS)
-    e_n, rel, *batch = block_batch(BLOCK_BATCH, e_n, where.rel, *batch)
+    e_n, rel = block_batch(BLOCK_BATCH, e_n, where.rel)
     rows = pl.BlockSpec((BLOCK_ROWS,), lambda b, r: (r,))
     embeddings = pl.BlockSpec((BLOCK_BATCH,), lambda b, r: (b,))
-    in_specs = [rows] * 3 + [embeddings] * (1 + len(batch)) + [
-        pl.BlockSpec((BLOCK_BATCH, e_n.shape[1]), lambda b, r: (b, 0)), pl.BlockSpec(weight.shape, lambda b, r: (0, 0))]
+    in_specs = [rows] * 3 + [embeddings, pl.BlockSpec((BLOCK_BATCH, e_n.shape[1]), lambda b, r: (b, 0)),
+                             pl.BlockSpec(weight.shape, lambda b, r: (0, 0))]
     grid = (e_n.shape[0] // BLOCK_BATCH, index.shape[0] // BLOCK_ROWS)  # a row block's batch blocks side by side
-    return grid, in_specs, (index, where.columns, where.kept, rel, *batch, e_n, weight)
+    return grid, in_specs, (index, where.columns, where.kept, rel, e_n, weight)
 
 
 def _pallas_form(weight, index, where, e_n, *, margin, interpret: bool):
-    grid, in_specs, inputs = blocked(weight, index, where, e_n)
+    grid, in_specs, inputs = _blocked(weight, index, where, e_n)
     batch_blocks, row_blocks = grid
     stats = pl.pallas_call(
         partial(_kernel, margin=margin),

@@ -277,24 +277,19 @@ def stats_in_separate_reads(logits, picked):
     return high, jnp.sum(jnp.exp(logits - high[:, None]), axis=1), jnp.sum(picked, axis=1)
 
 
-def tile_grad_parts(e_n, w_tile, where: TileColumns, margin: CombinedMargin, lse, g, multiplied: bool = True):
+def tile_grad_parts(e_n, w_tile, where: TileColumns, margin: CombinedMargin, lse, g):
     """Gradients of ``Σ_n g[n]·loss[n]`` through one tile, given the global log-sum-exp ``lse`` ``[N]``: ``(d e_n
     [N, D], product, radial)``, the gradient w.r.t. the rows (``w_tile`` ``[T, D]`` as stored) left in two parts,
     ``row_gradient(w_tile, product, radial)``, so that an update can form it where it reads the rows.
 
     ``cos = (e_n · w) · r`` with ``r = 1/‖w‖``: ``∂/∂w = product − radial·w``, where ``product = (∂/∂cos · r)ᵀ e_n``
     ``[T, D]`` (in ``e_n``'s dtype, as ``cosines`` multiplies) and ``radial = r³ Σ_n ∂/∂cos · (e_n · w)`` ``[T]``
-    float32, the derivative of the norm (a projection: the row gradient has no component along the row). With
-    ``multiplied=False`` the product is left to the caller as its factor ``∂/∂cos · r`` ``[N, T]`` in
-    ``gradient_product_dtype``, the operand that ``d e_n``'s GEMM reads (``product = factorᵀ e_n``); XLA then drops
-    the product's GEMM.
+    float32, the derivative of the norm (a projection: the row gradient has no component along the row).
     """
     w32, squares, inverse = row_norms(w_tile)
     products, pull_products = jax.vjp(cosines, e_n, w32.astype(e_n.dtype))
     d_products, d_inverse = cosine_grads(products, inverse, where, margin, lse, g)
     d_e, product = pull_products(d_products)
-    if not multiplied:  # the rounding that cosines' gradient applies to d_products, the same array for XLA's CSE
-        product = d_products.astype(gradient_product_dtype(e_n.dtype))
     return d_e, product, radial_part(d_inverse, inverse, squares)
 
 
