@@ -9,8 +9,9 @@
 # arguments as they are), `torch:NETWORK BATCH [CLASSES] [ARGS]` (arcface_torch's step from .gpudata/bench: PartialFC
 # 0.1 with fp16 as train_v2.py runs it, CLASSES default 1000000, ARGS e.g. --compile or --max-classes), `py:SCRIPT
 # ARGS` (a script of benchmarks/, its --out in the results), `sh:COMMAND` ($RESULTS is the results folder). A job
-# written `|JOB` runs only if the job before it failed (a fallback). Each job's exit status is logged (124: past its
-# time limit). A job that finished in an earlier call on the same machine (still warm) is skipped, so a second call
+# written `|JOB` runs only if the job before it failed (a fallback); one ending in ` @SECONDS` runs under that time
+# limit instead of JOB_LIMIT (e.g. arcface_torch's --max-classes bisection, which builds its model about 8 times).
+# Each job's exit status is logged (124: past its time limit). A job that finished in an earlier call on the same machine (still warm) is skipped, so a second call
 # with the same jobs goes on where the first stopped:
 #   mapfile -t jobs < docs/measurements/h100-DATE/jobs.txt; bash benchmarks/gpu_lease.sh "${jobs[@]}"
 # Ask the device tool for an H100 by name (kind nvidia-h100-x1): unnamed, it may start an H200, whose rows do not
@@ -51,7 +52,9 @@ for job in "$@"; do
   fallback=false; [[ $job == "|"* ]] && { fallback=true; job=${job#|}; }
   grep -qxF -- "$job" "$RESULTS/done.txt" && { echo "=== done in an earlier call: $job"; rc=0; continue; }
   $fallback && (( rc == 0 )) && { echo "=== skipped, the job before it passed: $job"; continue; }
-  kind=${job%%:*}; spec=${job#*:}; name=$(echo "$kind-$spec" | tr -c 'A-Za-z0-9_.-' '_')
+  limit=${JOB_LIMIT:-300}; run=$job
+  [[ $run =~ ^(.*)\ @([0-9]+)$ ]] && { run=${BASH_REMATCH[1]}; limit=${BASH_REMATCH[2]}; }
+  kind=${run%%:*}; spec=${run#*:}; name=$(echo "$kind-$spec" | tr -c 'A-Za-z0-9_.-' '_')
   echo "=== $(date +%T) $job"
   start=$SECONDS
   case $kind in
@@ -59,14 +62,14 @@ for job in "$@"; do
            for word in $spec; do  # KEY=VALUE selects grid rows (--only), except as the value of a --set
              [[ $word == *=* && $prev != --set ]] && args+=(--only); args+=("$word"); prev=$word
            done
-           timeout "${JOB_LIMIT:-300}" python3 benchmarks/step_throughput.py "${args[@]}" --out "$RESULTS/$name.json" ;;
+           timeout "$limit" python3 benchmarks/step_throughput.py "${args[@]}" --out "$RESULTS/$name.json" ;;
     torch) read -r network batch classes extra <<< "$spec"
            [[ ${classes:-} == -* ]] && { extra="$classes ${extra:-}"; classes=""; }
-           timeout "${JOB_LIMIT:-300}" python3 .gpudata/bench/arcface_torch_bench.py \
+           timeout "$limit" python3 .gpudata/bench/arcface_torch_bench.py \
              --network "$network" --batch "$batch" --classes "${classes:-1000000}" --sample-rate 0.1 --fp16 \
              ${extra:-} --out "$RESULTS/$name.json" ;;
-    py)    timeout "${JOB_LIMIT:-300}" python3 benchmarks/$spec --out "$RESULTS/$name.json" ;;
-    sh)    timeout "${JOB_LIMIT:-300}" bash -c "$spec" ;;
+    py)    timeout "$limit" python3 benchmarks/$spec --out "$RESULTS/$name.json" ;;
+    sh)    timeout "$limit" bash -c "$spec" ;;
   esac
   rc=$?  # read before anything else runs: `$(date)` below would reset $?
   echo "=== $(date +%T) rc=$rc after $((SECONDS - start)) s: $job"

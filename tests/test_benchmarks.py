@@ -4,6 +4,7 @@ import ast
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -134,14 +135,16 @@ def test_fc_kernels_takes_the_variants_by_name_and_not_beside_a_setting_of_their
 
 def test_gpu_lease_logs_each_jobs_status_runs_fallbacks_resumes_and_carries_the_autotuning_cache(tmp_path):
     """benchmarks/gpu_lease.sh, as a lease runs it (here without a GPU, on sh: jobs): each job's own exit status in
-    the log (it once logged rc=0 for every job), a ``|JOB`` only after a failure, a second call skipping what the
-    first finished, and XLA's autotuning results carried in from .gpucache and out in $OUT/autotune.tgz."""
+    the log (it once logged rc=0 for every job), a ``|JOB`` only after a failure, a ``JOB @SECONDS`` under its own
+    time limit, a second call skipping what the first finished, and XLA's autotuning results carried in from
+    .gpucache and out in $OUT/autotune.tgz."""
     checkout, out = tmp_path / "checkout", tmp_path / "out"
     (checkout / ".gpucache" / "autotune" / "h100").mkdir(parents=True)
     (checkout / ".gpucache" / "autotune" / "h100" / "fusion.textproto").write_text("tuned")
     env = os.environ | {"OUT": str(out), "RESULTS": str(tmp_path / "results"),
                         "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"), "JAX_PLATFORMS": "cpu"}
-    jobs = ["sh:exit 3", "|sh:echo fallback-ran", "|sh:echo not-after-a-pass", "sh:echo $RESULTS > $RESULTS/seen"]
+    jobs = ["sh:exit 3", "|sh:echo fallback-ran", "|sh:echo not-after-a-pass", "sh:echo $RESULTS > $RESULTS/seen",
+            "sh:sleep 30 @1", "sh:echo under-its-own-limit @5"]
 
     def lease():
         proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_lease.sh"), *jobs], cwd=checkout, env=env,
@@ -154,6 +157,7 @@ def test_gpu_lease_logs_each_jobs_status_runs_fallbacks_resumes_and_carries_the_
     assert "rc=3 after" in log.split("=== ")[2] and "fallback-ran" in outputs and "not-after-a-pass" not in outputs
     assert "skipped, the job before it passed: sh:echo not-after-a-pass" in log
     assert (tmp_path / "results" / "seen").read_text().strip() == str(tmp_path / "results")
+    assert re.search(r"rc=124 after [12] s: sh:sleep 30 @1", log) and "under-its-own-limit" in outputs
     assert "autotuning cache: 1 entries carried" in log
     with tarfile.open(out / "autotune.tgz") as carried:
         assert "autotune/h100/fusion.textproto" in carried.getnames()
