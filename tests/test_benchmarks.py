@@ -165,6 +165,33 @@ def test_gpu_lease_logs_each_jobs_status_runs_fallbacks_resumes_and_carries_the_
     assert all(f"=== done in an earlier call: {job.lstrip('|')}" in again for job in jobs[:2] + jobs[3:])
 
 
+def test_arcface_torchs_maximum_is_searched_from_a_bracket(rng):
+    """benchmarks/arcface_torch_max_classes.py: the largest count that fits, within the resolution, from a count
+    that runs and one that fails (tried first, and moved up while it fits), against thresholds drawn at random."""
+    search = benchmark("arcface_torch_max_classes").largest_that_fits
+    for _ in range(20):
+        runs = int(rng.integers(1, 10**7))
+        fails, resolution = runs + int(rng.integers(1, 10**7)), int(rng.integers(1, 10**6))
+        limit = runs + int(rng.integers(0, 4 * (fails - runs)))  # at times beyond the bracket
+        found = search(lambda count: count <= limit, runs, fails, resolution)
+        assert found["max_classes"] <= limit < found["first_failing"], (found, limit)
+        assert found["first_failing"] - found["max_classes"] <= resolution
+        assert found["tried"][0] == [fails, fails <= limit]
+        assert all(fit == (count <= limit) for count, fit in found["tried"])
+    with pytest.raises(ValueError, match="expected 0 < runs < fails"):
+        search(lambda count: True, 10, 10, 1)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed: pip install -e .[test]")
+@pytest.mark.skipif(not (ROOT.parent / "shared" / "bench").is_dir(), reason="the arcface_torch bench is not beside "
+                    "this checkout (../shared/bench)")
+def test_arcface_torchs_maximum_needs_a_gpu_and_says_so():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "arcface_torch_max_classes.py"), "--bench",
+                           str(ROOT.parent / "shared" / "bench"), "--runs", "8000000", "--fails", "10000000"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and proc.stderr.strip().endswith("it needs a GPU"), proc.stderr[-2000:]
+
+
 def test_the_sort_free_partialfc_draw_takes_the_rows_jaxcls_takes(rng):
     """benchmarks/partialfc_draw.py's candidate: top_rows is lax.top_k's rows, sorted, on keys with many ties at the
     threshold, few, all equal, for every count; and draw_keys orders the classes as jaxcls' sampler does."""
