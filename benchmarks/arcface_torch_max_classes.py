@@ -7,8 +7,9 @@ warm-up and two timed steps of its training step, out of memory or not), searche
 The bench's ``--max-classes`` doubles from 1M until a count fails, then bisects to 500,000: about 8 model builds,
 past 200 s on an H100. Where a lease already ran one count and saw another run out of memory (r50 at batch 128:
 8M ran on three leases, 10M ran out of memory on the first), the search starts from those two: ``--fails`` is tried
-first (raised by the bracket's width while it runs), then the bracket bisected to ``--resolution``, 3–4 builds.
-The JSON says which counts ran and which did not.
+first (the bracket moved up while it runs), then the bracket bisected to ``--resolution``: 4 builds for 8M and
+10M at the default 250,000, and a fifth, of ``--runs``, if none of them ran. Each count is printed as it is known;
+the JSON says which counts ran and which did not.
 """
 
 import argparse
@@ -18,23 +19,31 @@ import sys
 from collections.abc import Callable
 
 
-def largest_that_fits(fits: Callable[[int], bool], runs: int, fails: int, resolution: int) -> dict:
-    """``{"max_classes", "first_failing", "tried"}``: the largest count ``fits`` holds within ``resolution``, given
-    ``runs`` taken to fit (not tried) and ``fails`` taken to fail, which is tried first and moved up by the bracket's
-    width for as long as it fits. ``tried``: ``[count, fits]`` in order."""
+def largest_that_fits(fits: Callable[[int], bool], runs: int, fails: int, resolution: int, raises: int = 8) -> dict:
+    """``{"max_classes", "first_failing", "tried"}``: the largest count ``fits`` holds within ``resolution``, given a
+    bracket: ``runs``, taken to fit, and ``fails``, tried first; while it fits the bracket moves up, twice as wide each
+    time (at most ``raises`` times); ``runs`` is tried too if nothing else fit. ``tried``: ``[count, fits]`` in
+    order, each printed as it is known (a search cut short by a time limit still shows how far it got)."""
     if not 0 < runs < fails or resolution < 1:
         raise ValueError(f"expected 0 < runs < fails and a positive resolution, got {runs}, {fails}, {resolution}")
     tried = []
 
     def test(count):
-        tried.append([count, fits(count)])
+        tried.append([count, bool(fits(count))])
+        print(json.dumps({"classes": count, "fits": tried[-1][1]}), flush=True)
         return tried[-1][1]
 
-    while test(fails):
-        runs, fails = fails, 2 * fails - runs
+    for _ in range(raises + 1):
+        if not test(fails):
+            break
+        runs, fails = fails, fails + 2 * (fails - runs)
+    else:
+        raise RuntimeError(f"{runs} classes still fit after {raises} raises of the bracket: start it higher")
     while fails - runs > resolution:
         middle = (runs + fails) // 2
         runs, fails = (middle, fails) if test(middle) else (runs, middle)
+    if not any(fit for _, fit in tried) and not test(runs):
+        raise RuntimeError(f"{runs} classes, the bracket's lower end, do not fit either: start it lower")
     return {"max_classes": runs, "first_failing": fails, "tried": tried}
 
 

@@ -11,8 +11,9 @@
 # ARGS` (a script of benchmarks/, its --out in the results), `sh:COMMAND` ($RESULTS is the results folder). A job
 # written `|JOB` runs only if the job before it failed (a fallback); one ending in ` @SECONDS` runs under that time
 # limit instead of JOB_LIMIT (e.g. arcface_torch's --max-classes bisection, which builds its model about 8 times).
-# Each job's exit status is logged (124: past its time limit). A job that finished in an earlier call on the same machine (still warm) is skipped, so a second call
-# with the same jobs goes on where the first stopped:
+# Each job's exit status is logged (124: past its time limit). A job that ended in an earlier call on the same machine
+# (still warm), whatever its status, is skipped, so a second call with the same jobs goes on where the first stopped
+# (a job is known by its line as written, ` @SECONDS` included):
 #   mapfile -t jobs < docs/measurements/h100-DATE/jobs.txt; bash benchmarks/gpu_lease.sh "${jobs[@]}"
 # Ask the device tool for an H100 by name (kind nvidia-h100-x1): unnamed, it may start an H200, whose rows do not
 # compare with the H100 goals and earlier rows (the log names the card).
@@ -53,7 +54,9 @@ for job in "$@"; do
   grep -qxF -- "$job" "$RESULTS/done.txt" && { echo "=== done in an earlier call: $job"; rc=0; continue; }
   $fallback && (( rc == 0 )) && { echo "=== skipped, the job before it passed: $job"; continue; }
   limit=${JOB_LIMIT:-300}; run=$job
-  [[ $run =~ ^(.*)\ @([0-9]+)$ ]] && { run=${BASH_REMATCH[1]}; limit=${BASH_REMATCH[2]}; }
+  if [[ $run =~ ^(.*[^[:space:]])[[:space:]]+@([1-9][0-9]*)[[:space:]]*$ ]]; then
+    run=${BASH_REMATCH[1]}; limit=${BASH_REMATCH[2]}
+  fi
   kind=${run%%:*}; spec=${run#*:}; name=$(echo "$kind-$spec" | tr -c 'A-Za-z0-9_.-' '_')
   echo "=== $(date +%T) $job"
   start=$SECONDS

@@ -8,8 +8,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-LINK = re.compile(r"\]\(([^)\s]+)\)")
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+LINK = re.compile(r"\]\(<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\)")  # [text](target), [text](<target>), [text](target "title")
+
+
+def prose(text: str) -> str:
+    """``text`` without its fenced code blocks and inline code spans, where nothing is a link."""
+    text = re.sub(r"^[ \t]*```.*?^[ \t]*```", "", text, flags=re.S | re.M)
+    return re.sub(r"`[^`\n]*`", "", text)
 
 
 def slug(heading: str) -> str:
@@ -24,7 +30,7 @@ def anchors(path: Path) -> set[str]:
     found = set()
     in_code = False
     for line in path.read_text().splitlines():
-        if line.startswith("```"):
+        if line.lstrip().startswith("```"):
             in_code = not in_code
         if in_code or not (m := re.match(r"#{1,6} (.+)", line)):
             continue
@@ -38,6 +44,11 @@ def markdown_of_notebooks() -> list[tuple[str, str]]:
     return [(f"{path.relative_to(ROOT)} cell {i}", "".join(cell["source"]))
             for path in sorted((ROOT / "notebooks").glob("*.ipynb"))
             for i, cell in enumerate(json.loads(path.read_text())["cells"]) if cell["cell_type"] == "markdown"]
+
+
+def test_links_are_found_as_markdown_writes_them_and_not_in_code():
+    text = 'a [b](x.md#c) [d](<y.md>) [e](z.md "title") `[f](in-code.md)`\n```\n[g](in-block.md)\n```\n'
+    assert LINK.findall(prose(text)) == ["x.md#c", "y.md", "z.md"]
 
 
 def test_slugs_follow_githubs_rule():
@@ -55,7 +66,7 @@ def test_slugs_follow_githubs_rule():
 def test_every_relative_link_reaches_its_file_and_section(where, text, base, own):
     """(A notebook's sections are not read: a link to one of its own would fail as having none.)"""
     broken = []
-    for target in LINK.findall(text):
+    for target in LINK.findall(prose(text)):
         if re.match(r"[a-z]+:", target):  # https:, mailto:
             continue
         file, _, section = target.partition("#")

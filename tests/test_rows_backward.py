@@ -228,10 +228,10 @@ def test_rows_replicated_over_axes_that_hold_other_embeddings_take_xlas_form():
     where = tiles.tile_columns(jnp.zeros(2, jnp.int32), jnp.ones(8, bool), 0, 0)
     placed = lambda shape, spec: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
 
-    def traced(weight_spec, form="pallas_interpret", update=True):
+    def traced(weight_spec, update=True):
         def step(weight, e_n):
             keep_rows = (jnp.ones(8, bool), lambda rows, row_grad, index: rows) if update else ()
-            return backward(form, (weight,), jnp.arange(8), where, e_n, jnp.zeros(2), jnp.zeros(2),
+            return backward("pallas_interpret", (weight,), jnp.arange(8), where, e_n, jnp.zeros(2), jnp.zeros(2),
                             MARGINS["cosface"], *keep_rows)[0]
         shard = jax.shard_map(step, mesh=mesh, in_specs=(weight_spec, P(("data", "class"))),
                               out_specs=P(("data", "class")))
