@@ -51,7 +51,9 @@ jax.devices())'
 rc=0
 for job in "$@"; do
   fallback=false; [[ $job == "|"* ]] && { fallback=true; job=${job#|}; }
-  grep -qxF -- "$job" "$RESULTS/done.txt" && { echo "=== done in an earlier call: $job"; rc=0; continue; }
+  earlier=$(awk -F '\t' -v job="$job" '$2 == job {rc = $1} END {print rc}' "$RESULTS/done.txt")
+  # (its status as it was, so that a `|JOB` after it runs on resume as it would have)
+  [[ -n $earlier ]] && { echo "=== done in an earlier call (rc=$earlier): $job"; rc=$earlier; continue; }
   $fallback && (( rc == 0 )) && { echo "=== skipped, the job before it passed: $job"; continue; }
   limit=${JOB_LIMIT:-300}; run=$job
   if [[ $run =~ ^(.*[^[:space:]])[[:space:]]+@([1-9][0-9]*)[[:space:]]*$ ]]; then
@@ -76,7 +78,7 @@ for job in "$@"; do
   esac
   rc=$?  # read before anything else runs: `$(date)` below would reset $?
   echo "=== $(date +%T) rc=$rc after $((SECONDS - start)) s: $job"
-  echo "$job" >> "$RESULTS/done.txt"
+  printf '%s\t%s\n' "$rc" "$job" >> "$RESULTS/done.txt"
   tar czf "$OUT/results.tgz" "$RESULTS" benchmarks/results 2>/dev/null
   tar czf "$OUT/autotune.tgz" -C "$(dirname "$AUTOTUNE")" --transform "s|^$(basename "$AUTOTUNE")|autotune|" \
     "$(basename "$AUTOTUNE")"

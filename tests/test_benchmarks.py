@@ -136,8 +136,8 @@ def test_fc_kernels_takes_the_variants_by_name_and_not_beside_a_setting_of_their
 def test_gpu_lease_logs_each_jobs_status_runs_fallbacks_resumes_and_carries_the_autotuning_cache(tmp_path):
     """benchmarks/gpu_lease.sh, as a lease runs it (here without a GPU, on sh: jobs): each job's own exit status in
     the log (it once logged rc=0 for every job), a ``|JOB`` only after a failure, a ``JOB @SECONDS`` under its own
-    time limit, a second call skipping what the first finished, and XLA's autotuning results carried in from
-    .gpucache and out in $OUT/autotune.tgz."""
+    time limit, a second call skipping what the first finished (as it ended: a fallback still follows a failure),
+    and XLA's autotuning results carried in from .gpucache and out in $OUT/autotune.tgz."""
     checkout, out = tmp_path / "checkout", tmp_path / "out"
     (checkout / ".gpucache" / "autotune" / "h100").mkdir(parents=True)
     (checkout / ".gpucache" / "autotune" / "h100" / "fusion.textproto").write_text("tuned")
@@ -162,7 +162,12 @@ def test_gpu_lease_logs_each_jobs_status_runs_fallbacks_resumes_and_carries_the_
     with tarfile.open(out / "autotune.tgz") as carried:
         assert "autotune/h100/fusion.textproto" in carried.getnames()
     again = lease()
-    assert all(f"=== done in an earlier call: {job.lstrip('|')}" in again for job in jobs[:2] + jobs[3:])
+    assert all(f"=== done in an earlier call (rc={rc}): {jobs[i].lstrip('|')}" in again
+               for i, rc in ((0, 3), (1, 0), (3, 0), (4, 124), (5, 0)))
+    # a call cut short during a fallback: on resume the failed job is still a failure, and its fallback runs
+    done = tmp_path / "results" / "done.txt"
+    done.write_text("".join(line + "\n" for line in done.read_text().splitlines() if "fallback-ran" not in line))
+    assert "fallback-ran" in lease().splitlines()
 
 
 def test_arcface_torchs_maximum_is_searched_from_a_bracket(rng):
