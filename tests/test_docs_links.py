@@ -1,6 +1,7 @@
 """Every relative link in README.md, docs/ and notebooks' markdown reaches a file of the repository and, where it names
 a section (``file.md#section``), a heading of that file, slugged as GitHub slugs them."""
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -24,6 +25,7 @@ def slug(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
+@functools.cache  # a file's anchors, read once however many links point into it
 def anchors(path: Path) -> set[str]:
     """The anchors of a markdown file's headings (a repeated heading's get ``-1``, ``-2``, … as on GitHub)."""
     seen: dict[str, int] = {}
