@@ -44,10 +44,9 @@ class TrainStep:
         """One update on a global batch ``images`` uint8 ``[B, S, S, 3]``, ``labels`` int32 ``[B]``.
 
         Backbone forward → fused FC step (loss, d loss/d embeddings, sparse FC update) → backbone backward.
-        A non-finite loss, backbone gradient or BatchNorm statistic skips the backbone update, and the FC skips its
-        update when the loss or the embeddings are non-finite (``metrics["finite"]`` is false). The gradient is
-        checked by its norm, which any non-finite element makes non-finite (as does a norm past float32's range,
-        ~1.8e19); the new parameters follow from finite gradients, so they are not checked again. With
+        A non-finite loss, backbone gradient, new backbone parameter or BatchNorm statistic skips the backbone
+        update, and the FC skips its update when the loss or the embeddings are non-finite (``metrics["finite"]``
+        is false). With
         float16 the FC update waits for the backbone gradients too, so an overflowing step changes nothing but
         the loss scale (the FC pass then runs twice).
         """
@@ -64,18 +63,17 @@ class TrainStep:
         # scaling d loss/d embeddings scales the loss: float16 backbone gradients then stay representable
         d_emb = self.scaler.scale_loss(d_emb, scale).astype(emb.dtype)
         g_params = self.scaler.unscale(backbone_grads(d_emb), scale)
-        grad_norm = optax.tree.norm(g_params)  # one reduction a leaf, shared with the metric and the clipping
-        finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
+        finite = all_finite(g_params) & jnp.isfinite(loss)
         if self.scaler.enabled:
             _, _, weight, fc_opt = fc_step(keep_update=finite)
         updates, opt = self.tx.update(g_params, state["opt"], state["params"])
         updates = jax.tree.map(lambda u: lr * u, updates)
         new = {"params": optax.apply_updates(state["params"], updates), "opt": opt, "stats": stats}
-        finite = finite & all_finite(new["stats"])  # huge activations overflow BN statistics
+        finite = finite & all_finite((new["params"], new["stats"]))  # huge activations overflow BN statistics
         new = select_tree(finite, new, {k: state[k] for k in new})  # a skipped step keeps the backbone as it was
         new.update(weight=weight, fc_opt=fc_opt, step=state["step"] + 1, key=state["key"],
                    scale=self.scaler.adjust(scale, finite))
-        metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "finite": finite,
+        metrics = {"loss": loss, "lr": lr, "grad_norm": optax.tree.norm(g_params), "finite": finite,
                    "loss_scale": scale.scale}
         return new, metrics
 

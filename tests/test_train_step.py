@@ -69,8 +69,8 @@ def test_float32_non_finite_step_changes_no_weight(rng):
     state["step"] = jax.device_put(jnp.int32(2), state["step"].sharding)  # past the warmup's lr = 0
     leaves, tree = jax.tree.flatten(state["params"])
     poisoned = int(rng.integers(len(leaves)))
-    # the whole array: one NaN in a kernel tap that only ever meets padding need not reach the embeddings or the
-    # gradients (then the step is taken, the NaN stays where it was, and the FC rightly learns)
+    # the whole array: one NaN in a kernel tap that only ever meets padding would not reach the embeddings (then
+    # only the backbone skips its update, as its new parameters are non-finite, and the FC rightly learns)
     leaves[poisoned] = jnp.full_like(leaves[poisoned], jnp.nan)
     state["params"] = jax.tree.unflatten(tree, leaves)
     step = jax.jit(run.train_step)
