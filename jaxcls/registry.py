@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
+
+from jax import lax
 
 
 def lookup(table: Mapping[str, Any], name: str, what: str) -> Any:
@@ -40,3 +42,13 @@ class Forms:
 
     def current(self) -> str | None:
         return self._forced.get()
+
+    def apply(self, forms: Mapping[str, Callable], by_platform: Mapping[str, str], *args):
+        """``forms[name](*args)`` for the form forced, else for ``by_platform[p]`` on each platform ``p`` a program
+        is lowered for (``by_platform["default"]`` on the others), staged with ``lax.platform_dependent``: a
+        compile-only GPU on a CPU machine, or each platform of a multi-platform ``jax.export``, gets its own."""
+        if (name := self.current()) is not None:
+            return forms[name](*args)
+        if len(names := set(by_platform.values())) == 1:  # one form everywhere: nothing to stage
+            return forms[names.pop()](*args)
+        return lax.platform_dependent(*args, **{platform: forms[name] for platform, name in by_platform.items()})

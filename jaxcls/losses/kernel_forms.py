@@ -7,7 +7,6 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pallas_triton
 
@@ -23,13 +22,10 @@ def kernel_forms(what: str) -> Forms:
 
 def run(forms: Forms, pallas, xla, *args, kernel_on_cuda: bool = True):
     """``xla(*args)`` or ``pallas(*args, interpret=…)``: the form ``forms`` is forced to, else by platform (the
-    kernel on CUDA GPUs where ``kernel_on_cuda``, XLA's form elsewhere, staged with ``lax.platform_dependent``)."""
-    form = forms.current()
-    if form == "xla" or (form is None and not kernel_on_cuda):
-        return xla(*args)
-    if form is not None:
-        return pallas(*args, interpret=form == "pallas_interpret")
-    return lax.platform_dependent(*args, cuda=partial(pallas, interpret=False), default=xla)
+    kernel on CUDA GPUs where ``kernel_on_cuda``, XLA's form elsewhere)."""
+    named = {"xla": xla, "pallas": partial(pallas, interpret=False),
+             "pallas_interpret": partial(pallas, interpret=True)}
+    return forms.apply(named, {"cuda": "pallas" if kernel_on_cuda else "xla", "default": "xla"}, *args)
 
 
 def pad_rows(x: jax.Array, block: int) -> jax.Array:

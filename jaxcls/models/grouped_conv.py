@@ -78,13 +78,11 @@ def conv_general_dilated(lhs, rhs, window_strides: Sequence[int], padding, lhs_d
             preferred_element_type=preferred_element_type),
         "shifted": lambda x, w: shifted_depthwise(x, w, window_strides, padding).astype(out_dtype),
     }
-    if (lowering := _LOWERING.current()) is not None:
-        if lowering not in usable(in_per_group):
-            raise ValueError(f"the {lowering} lowering is for depthwise convolutions (one input channel per group); "
-                             f"this one has {in_per_group} per group")
-        return forms[lowering](lhs, rhs)
-    by_platform = {p: forms[choose(p, groups, in_per_group)] for p in ("cpu", "cuda", "rocm")}
-    return lax.platform_dependent(lhs, rhs, **by_platform, default=forms[choose("tpu", groups, in_per_group)])
+    if (lowering := _LOWERING.current()) not in (None, *usable(in_per_group)):
+        raise ValueError(f"the {lowering} lowering is for depthwise convolutions (one input channel per group); "
+                         f"this one has {in_per_group} per group")
+    by_platform = {p: choose(p, groups, in_per_group) for p in ("cpu", "cuda", "rocm")}
+    return _LOWERING.apply(forms, {**by_platform, "default": choose("tpu", groups, in_per_group)}, lhs, rhs)
 
 
 def block_diagonal(kernel, groups: int):

@@ -183,9 +183,7 @@ def _training_normalized(x, scale, bias, alpha, axes: tuple, epsilon: float, dty
         return apply
 
     forms = {"written": form(batch_normalized), "autodiff": form(_autodiff_normalized)}
-    if (name := _BN_BACKWARD.current()) is not None:
-        return forms[name](x, scale, bias, alpha)
-    return lax.platform_dependent(x, scale, bias, alpha, cpu=forms["written"], default=forms["autodiff"])
+    return _BN_BACKWARD.apply(forms, {"cpu": "written", "default": "autodiff"}, x, scale, bias, alpha)
 
 
 def _moments(x, axes, keepdims=False, one_pass=True):
