@@ -41,6 +41,12 @@ def compiled_at(rows: int, fc_state_dtype: str = "same", backward: str | None = 
     return _compiled_at(rows, fc_state_dtype, backward, fc_dtype)
 
 
+# The tests that read ``compiled_at``'s programs: one group, so that .ci/run's gpu_target step (``--dist loadgroup``)
+# runs them in one worker, which compiles each program once (XLA's compile-only programs cannot be read back from
+# JAX's persistent cache, so each worker compiled the programs its share of the tests read)
+COMPILED_AT = pytest.mark.xdist_group("compiled_at")
+
+
 @functools.cache
 def _compiled_at(rows: int, fc_state_dtype: str, backward: str | None, fc_dtype: str):
     config = get_config(num_classes=8 * rows, sample_rate=0.5, chunk_size=1024, precision="bfloat16",
@@ -50,6 +56,7 @@ def _compiled_at(rows: int, fc_state_dtype: str, backward: str | None, fc_dtype:
         return run, run.compile_step(run.abstract_state, gpu_target.COMPILE_OPTIONS)
 
 
+@COMPILED_AT
 @pytest.mark.slow
 @pytest.mark.gpu_target
 @pytest.mark.parametrize("fc_dtype,fc_state_dtype", [("bfloat16", "same"), ("bfloat16", "int8"), ("float32", "same")])
@@ -75,6 +82,7 @@ def test_the_fc_update_is_in_place_and_no_collective_grows_with_the_classes(fc_d
     assert all(c.groups for c in ops[0])  # XLA:GPU's mesh form of replica groups read
 
 
+@COMPILED_AT
 @pytest.mark.slow
 @pytest.mark.gpu_target
 def test_the_tile_loop_writes_no_tile_sized_array():
@@ -114,6 +122,7 @@ def test_the_tile_loop_writes_no_tile_sized_array():
         assert any(f"/{kernel}/pallas_call" in k.origin for k in in_loops), kernel
 
 
+@COMPILED_AT
 @pytest.mark.slow
 @pytest.mark.gpu_target
 @pytest.mark.parametrize("fc_state_dtype", ["same", "int8"])
@@ -132,6 +141,7 @@ def test_the_fc_rows_are_read_by_index_and_updated_by_kernels_that_touch_each_on
     assert launches and all("output_to_operand_aliasing" in line for line in launches)  # in place
 
 
+@COMPILED_AT
 @pytest.mark.slow
 @pytest.mark.gpu_target
 def test_the_update_kernel_alone_updates_the_rows_in_place_after_xlas_gemms():
@@ -160,6 +170,7 @@ def test_the_update_kernel_alone_updates_the_rows_in_place_after_xlas_gemms():
     assert launches and all("output_to_operand_aliasing" in line for line in launches)  # in place
 
 
+@COMPILED_AT
 @pytest.mark.slow
 @pytest.mark.gpu_target
 def test_the_fc_backward_on_a_gpu_is_xlas_form_unless_forced():
@@ -284,6 +295,7 @@ def test_batchnorm_and_its_prelu_move_8_activations_a_layer_written_9_by_autodif
     assert moves[0] <= moved / 3 / activation < moves[1], moved / 3 / activation  # 8.05: the reductions' partials
 
 
+@COMPILED_AT
 @pytest.mark.slow
 @pytest.mark.gpu_target
 def test_convolutions_are_cudnn_calls_in_the_compute_dtype():
@@ -297,6 +309,7 @@ def test_convolutions_are_cudnn_calls_in_the_compute_dtype():
     assert not re.search(r"= \S+ convolution\(", hlo)  # none left to XLA's own (slow) convolution emitter
 
 
+@COMPILED_AT
 @pytest.mark.slow
 @pytest.mark.gpu_target
 def test_the_plans_bytes_are_xla_gpus_memory_analysis():
