@@ -23,7 +23,7 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only GPUs: no CUDA driver is needed, none is started
 
-from jaxcls.bench import plain_model, plain_program, print_table, write_json  # noqa: E402
+from jaxcls.bench import CONFIG_KEY, plain_model, plain_program, print_table, write_json  # noqa: E402
 from jaxcls.config import benchmark_config  # noqa: E402
 from jaxcls.plan import gpu_target  # noqa: E402
 from jaxcls.plan.kernels import KERNEL_KINDS, kernels, moved_by_origin  # noqa: E402
@@ -60,7 +60,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="h100")
     parser.add_argument("--small", action="store_true")
-    parser.add_argument("--set", action="append", default=[], help="KEY=VALUE: a jaxcls config key")
+    parser.add_argument("--set", action="append", default=[], help=CONFIG_KEY)
     parser.add_argument("--out", default="benchmarks/results/gpu_program.json")
     args = parser.parse_args()
     device = gpu_target.gpu_devices(args.target, 1)[0]

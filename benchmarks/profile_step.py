@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.profiler import ProfileData
 
-from jaxcls.bench import plain_model, plain_step, print_table, write_json
+from jaxcls.bench import CONFIG_KEY, plain_model, plain_step, print_table, write_json
 from jaxcls.config import benchmark_config
 from jaxcls.plan.kernels import origins
 from jaxcls.run import build
@@ -114,7 +114,7 @@ def main():
     parser.add_argument("--sample_rate", type=float, default=0.1)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--top", type=int, default=25)
-    parser.add_argument("--set", action="append", default=[], help="KEY=VALUE: a jaxcls config key")
+    parser.add_argument("--set", action="append", default=[], help=CONFIG_KEY)
     parser.add_argument("--jaxcls-only", action="store_true", help="without the plain Flax step (at tens of millions "
                         "of classes its dense rows do not fit beside jaxcls's FC)")
     parser.add_argument("--out", default="benchmarks/results/profile_step.json")

@@ -25,10 +25,15 @@ from __future__ import annotations
 import argparse
 import itertools
 
-from jaxcls.bench import FC_KERNELS, FC_KERNELS_HELP, fc_kernels, print_table, select, time_train_step, write_json
+from jaxcls.bench import (CONFIG_KEY, FC_KERNELS, FC_KERNELS_HELP, fc_kernels, print_table, select, time_train_step,
+                          write_json)
 from jaxcls.config import benchmark_config
 from jaxcls.models import grouped_conv, layers
 from jaxcls.startup import simulate_cpu_devices
+
+KEYS = ["model", "batch", "classes", "sample_rate", "precision"]  # of a grid row, as --only names them
+GRID = [(m, b, 1_000_000, 0.1, "bfloat16") for m in ("r50", "r100") for b in (128, 256, 512)]
+GRID += [("mbf", 512, 1_000_000, 0.1, "bfloat16")]
 
 
 def main():
@@ -42,7 +47,7 @@ def main():
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 15; --small 1, --cpu 2)")
     parser.add_argument("--only", action="append", default=[], help="KEY=VALUE: grid rows whose KEY (model, batch, "
                         "classes, sample_rate, precision) is VALUE")
-    parser.add_argument("--set", action="append", default=[], help="config override key=value")
+    parser.add_argument("--set", action="append", default=[], help=CONFIG_KEY)
     parser.add_argument("--grouped-conv", choices=grouped_conv.LOWERINGS, default=None,
                         help="one lowering for every grouped convolution (default: each platform's own)")
     parser.add_argument("--fc-kernels", choices=FC_KERNELS, default=None, help=FC_KERNELS_HELP)
@@ -57,10 +62,8 @@ def main():
     elif args.cpu:
         grid, steps, warmup = [("r50", 16, 1000, 1.0, "float32")], 5, 2
     else:
-        grid = [(m, b, 1_000_000, 0.1, "bfloat16") for m in ("r50", "r100") for b in (128, 256, 512)]
-        grid += [("mbf", 512, 1_000_000, 0.1, "bfloat16")]
-        steps, warmup = 40, 15
-    grid = select(grid, ["model", "batch", "classes", "sample_rate", "precision"], args.only)
+        grid, steps, warmup = GRID, 40, 15
+    grid = select(grid, KEYS, args.only)
     steps, warmup = args.steps or steps, warmup if args.warmup is None else args.warmup
     syncs = {"off": [False], "on": [True], "both": [False, True]}[args.bn_sync]
     rows = []

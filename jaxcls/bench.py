@@ -40,6 +40,8 @@ def time_ms(fn, *args, warmup: int = 3, iters: int = 20) -> float:
     return statistics.median(times)
 
 
+# a script's --set help, by which tests/test_lease_jobs.py knows its values for config keys
+CONFIG_KEY = "KEY=VALUE: a jaxcls config key (repeatable)"
 FC_KERNELS = ("xla", *rows_backward.VARIANTS)
 FC_KERNELS_HELP = ("the FC path's row kernels (jaxcls.losses.rows_stats, rows_backward): xla, XLA's forms of both; "
                    "pallas, both Triton kernels (CUDA GPUs); pallas_update, the statistics kernel and XLA's GEMMs "
@@ -80,13 +82,19 @@ def environment() -> dict:
 
 
 def select(grid: list[tuple], keys: list[str], conditions: list[str]) -> list[tuple]:
-    """The specs of ``grid`` (tuples named by ``keys``) matching every ``KEY=VALUE`` of ``conditions``."""
+    """The specs of ``grid`` (tuples named by ``keys``) matching every ``KEY=VALUE`` of ``conditions``; none matching
+    stops the script with the grid's values (a job that would write an empty table)."""
+    chosen = grid
     for condition in conditions:
-        key, value = condition.split("=", 1)
+        key, value = condition.split("=", 1) if "=" in condition else (condition, None)
         if key not in keys:
             sys.exit(f"--only {condition}: KEY must be one of {', '.join(keys)}")
-        grid = [spec for spec in grid if str(spec[keys.index(key)]) == value]
-    return grid
+        chosen = [spec for spec in chosen if str(spec[keys.index(key)]) == value]
+    if not chosen:
+        values = {key: sorted({str(spec[i]) for spec in grid}) for i, key in enumerate(keys)}
+        sys.exit(f"--only {' '.join(conditions)}: no row of the grid matches; its values: "
+                 + "; ".join(f"{key} {', '.join(v)}" for key, v in values.items()))
+    return chosen
 
 
 def print_table(rows: list[dict], columns: list[str]) -> None:
