@@ -93,6 +93,12 @@ def test_every_job_of_the_next_lease_is_accepted_by_its_script(job, monkeypatch,
         rows = [{}]
     for keys in rows if overrides else []:
         validate(benchmark_config(overrides=getattr(namespace, overrides[0]), **keys), num_devices=1)
+    if script.name == "fc_kernels.py":  # its --set names kernel constants: checked as its main() checks them
+        kernels = benchmark("fc_kernels")
+        try:
+            kernels._settings(namespace.set), kernels._variants(namespace.fc_kernels, namespace.set)
+        except SystemExit as refused:
+            pytest.fail(f"{job}: {refused}")
 
 
 def test_a_misspelt_flag_or_a_row_outside_the_grid_fails(monkeypatch, capsys):
