@@ -17,17 +17,15 @@
 #   mapfile -t jobs < docs/measurements/h100-DATE/jobs.txt; bash benchmarks/gpu_lease.sh "${jobs[@]}"
 # Ask the device tool for an H100 by name (kind nvidia-h100-x1): unnamed, it may start an H200, whose rows do not
 # compare with the H100 goals and earlier rows (the log names the card).
-# JOB_LIMIT (seconds, default 300) bounds each job. Carry two git-ignored folders with the call:
-#   .whl      jaxcls's dependencies the GPU image lacks, as cp312 wheels: `pip download --no-deps --only-binary=:all:
-#             --python-version 3.12 --platform manylinux2014_x86_64 --platform any -d .whl ml_collections
-#             simplejpeg grain array-record portpicker`
-#   .gpudata  `cp -r ../shared/bench .gpudata/`, and for `--pipeline` jobs glyphs' train.rec, train.idx, property
-# and, where an earlier lease left one, a third:
+# JOB_LIMIT (seconds, default 300) bounds each job. `bash benchmarks/prepare_lease.sh` fills the git-ignored folders
+# to carry with the call, before any device time is spent:
+#   .whl      jaxcls's dependencies the GPU image lacks, as cp312 wheels
+#   .gpudata  arcface_torch's bench (../shared/bench); for `--pipeline` jobs add glyphs' train.rec, train.idx, property
 #   .gpucache/autotune  XLA:GPU's autotuning results per fusion (which cuDNN algorithm, which Triton tiling), that
-#             JAX keeps beside its compilation cache: $OUT/autotune.tgz of the last lease, unpacked with `mkdir -p
-#             .gpucache && tar xzf autotune.tgz -C .gpucache`. Jobs then skip autotuning what an earlier lease tuned
-#             (it is keyed by the GPU's model and each fusion's HLO, so other cards and changed code tune anew);
-#             the timed steps are the same programs, only their compile_s is shorter.
+#             JAX keeps beside its compilation cache: the newest lease's $OUT/autotune.tgz (kept in its
+#             docs/measurements folder). Jobs then skip autotuning what an earlier lease tuned (it is keyed by the
+#             GPU's model and each fusion's HLO, so other cards and changed code tune anew); the timed steps are the
+#             same programs, only their compile_s is shorter.
 set -u
 OUT=${OUT:-/tmp/out}
 export RESULTS=${RESULTS:-/tmp/results}

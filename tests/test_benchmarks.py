@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -257,3 +258,45 @@ def test_small_mode_writes_json(script, tmp_path):
     if script == "inference_runtimes.py":  # every runtime embeds as JAX does
         assert {r["runtime"] for r in result["rows"]} == {"jax", "stablehlo", "onnxruntime"}
         assert all(r["max_rel_err"] <= 1e-4 for r in result["rows"])
+
+
+def test_prepare_lease_fills_what_a_lease_carries_and_refuses_what_it_cannot(tmp_path):
+    """benchmarks/prepare_lease.sh in a checkout of its own: the bench copied into .gpudata, the wheels asked for
+    (PIP stands in for pip), the newest lease's autotuning results unpacked into .gpucache, the call to make printed;
+    a missing bench, and a carry past the device tool's 64 MiB, refused with the reason."""
+    checkout, shared = tmp_path / "checkout", tmp_path / "shared"
+    (checkout / "benchmarks").mkdir(parents=True)
+    shutil.copy(ROOT / "benchmarks" / "prepare_lease.sh", checkout / "benchmarks")
+    for lease, content in (("h100-2026-01-02", "newest"), ("h100-2026-01-01", "older")):
+        tuned = tmp_path / lease / "autotune"
+        tuned.mkdir(parents=True)
+        (tuned / "fusion.textproto").write_text(content)
+        (checkout / "docs" / "measurements" / lease).mkdir(parents=True)
+        with tarfile.open(checkout / "docs" / "measurements" / lease / "autotune.tgz", "w:gz") as archive:
+            archive.add(tuned, arcname="autotune")
+    (checkout / ".gitignore").write_text(".whl/\n.gpudata/\n.gpucache/\n")
+    subprocess.run(["git", "init", "-q", str(checkout)], check=True)
+    pip = tmp_path / "pip"  # writes one file per package asked for into the -d folder
+    pip.write_text('#!/bin/bash\nwhile [[ $1 != -d ]]; do shift; done; mkdir -p "$2"; d=$2; shift 2\n'
+                   'for p in "$@"; do echo wheel > "$d/$p.whl"; done\n')
+    pip.chmod(0o755)
+    env = os.environ | {"PIP": str(pip)}
+
+    def prepare():
+        return subprocess.run(["bash", str(checkout / "benchmarks" / "prepare_lease.sh"), str(shared)], env=env,
+                              capture_output=True, text=True, timeout=60)
+
+    refused = prepare()
+    assert refused.returncode == 1 and f"error: no arcface_torch bench at {shared}/bench" in refused.stderr
+    (shared / "bench").mkdir(parents=True)
+    (shared / "bench" / "arcface_torch_bench.py").write_text("# the bench")
+    done = prepare()
+    assert done.returncode == 0, done.stderr
+    assert (checkout / ".gpudata" / "bench" / "arcface_torch_bench.py").read_text() == "# the bench"
+    assert sorted(p.name for p in (checkout / ".whl").iterdir()) == [
+        "array-record.whl", "grain.whl", "ml_collections.whl", "portpicker.whl", "simplejpeg.whl"]
+    assert (checkout / ".gpucache" / "autotune" / "fusion.textproto").read_text() == "newest"
+    assert 'JOB_LIMIT=200 bash benchmarks/gpu_lease.sh "${jobs[@]}"' in done.stdout
+    subprocess.run(["truncate", "-s", "65M", str(checkout / ".whl" / "huge.whl")], check=True)
+    too_big = prepare()
+    assert too_big.returncode == 1 and "error: more than the device tool carries" in too_big.stderr
