@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from functools import partial
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -43,12 +44,13 @@ class Forms:
     def current(self) -> str | None:
         return self._forced.get()
 
-    def apply(self, forms: Mapping[str, Callable], by_platform: Mapping[str, str], *args):
-        """``forms[name](*args)`` for the form forced, else for ``by_platform[p]`` on each platform ``p`` a program
-        is lowered for (``by_platform["default"]`` on the others), staged with ``lax.platform_dependent``: a
-        compile-only GPU on a CPU machine, or each platform of a multi-platform ``jax.export``, gets its own."""
+    def pick(self, forms: Mapping[str, Callable], by_platform: Mapping[str, str]) -> Callable:
+        """What to call: ``forms[name]`` for the form forced, else for ``by_platform[p]`` on each platform ``p`` a
+        program is lowered for (``by_platform["default"]`` on the others), staged with ``lax.platform_dependent``: a
+        compile-only GPU on a CPU machine, or each platform of a multi-platform ``jax.export``, gets its own. (Called
+        where the computation is, so that the backward's ops name that line, not this one.)"""
         if (name := self.current()) is not None:
-            return forms[name](*args)
+            return forms[name]
         if len(names := set(by_platform.values())) == 1:  # one form everywhere: nothing to stage
-            return forms[names.pop()](*args)
-        return lax.platform_dependent(*args, **{platform: forms[name] for platform, name in by_platform.items()})
+            return forms[names.pop()]
+        return partial(lax.platform_dependent, **{platform: forms[name] for platform, name in by_platform.items()})

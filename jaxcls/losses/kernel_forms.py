@@ -25,7 +25,7 @@ def run(forms: Forms, pallas, xla, *args, kernel_on_cuda: bool = True):
     kernel on CUDA GPUs where ``kernel_on_cuda``, XLA's form elsewhere)."""
     named = {"xla": xla, "pallas": partial(pallas, interpret=False),
              "pallas_interpret": partial(pallas, interpret=True)}
-    return forms.apply(named, {"cuda": "pallas" if kernel_on_cuda else "xla", "default": "xla"}, *args)
+    return forms.pick(named, {"cuda": "pallas" if kernel_on_cuda else "xla", "default": "xla"})(*args)
 
 
 def pad_rows(x: jax.Array, block: int) -> jax.Array:

@@ -82,7 +82,7 @@ def conv_general_dilated(lhs, rhs, window_strides: Sequence[int], padding, lhs_d
         raise ValueError(f"the {lowering} lowering is for depthwise convolutions (one input channel per group); "
                          f"this one has {in_per_group} per group")
     by_platform = {p: choose(p, groups, in_per_group) for p in ("cpu", "cuda", "rocm")}
-    return _LOWERING.apply(forms, {**by_platform, "default": choose("tpu", groups, in_per_group)}, lhs, rhs)
+    return _LOWERING.pick(forms, {**by_platform, "default": choose("tpu", groups, in_per_group)})(lhs, rhs)
 
 
 def block_diagonal(kernel, groups: int):

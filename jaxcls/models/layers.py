@@ -183,7 +183,7 @@ def _training_normalized(x, scale, bias, alpha, axes: tuple, epsilon: float, dty
         return apply
 
     forms = {"written": form(batch_normalized), "autodiff": form(_autodiff_normalized)}
-    return _BN_BACKWARD.apply(forms, {"cpu": "written", "default": "autodiff"}, x, scale, bias, alpha)
+    return _BN_BACKWARD.pick(forms, {"cpu": "written", "default": "autodiff"})(x, scale, bias, alpha)
 
 
 def _moments(x, axes, keepdims=False, one_pass=True):
