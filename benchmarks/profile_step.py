@@ -22,6 +22,7 @@ import argparse
 import collections
 import glob
 import os
+import re
 import statistics
 import tempfile
 import time
@@ -74,6 +75,12 @@ def kernel_times(trace_dir: str) -> collections.Counter:
     return times
 
 
+def source_file(origin: str) -> str:
+    """The file of an HLO op's JAX origin (``…/reduce_and (precision.py:100)`` → ``precision.py``); ``?`` without."""
+    match = re.search(r"\(([^():]+\.py):\d+\)$", origin)
+    return match.group(1) if match else "?"
+
+
 def profile(step, state, batch, steps: int) -> tuple[dict, list]:
     """Run the compiled ``step(state, *batch) → (state, out)``: wall ms per step, then ``steps`` steps under the
     profiler; the HLO ops by device time with their JAX origin."""
@@ -97,8 +104,13 @@ def profile(step, state, batch, steps: int) -> tuple[dict, list]:
     for (op, kernel), ns in times.items():
         per_kind[kind_of(op, kernel)] += ns / steps / 1e6
         ops[op] += ns / steps / 1e6
+    by_source, ops_by_source = collections.Counter(), collections.Counter()  # e.g. precision.py: the skip's checks
+    for op, ms in ops.items():
+        by_source[source_file(origin.get(op, ""))] += ms
+        ops_by_source[source_file(origin.get(op, ""))] += 1
     row = {"wall_ms": statistics.median(walls), "device_ms": sum(per_kind.values()),
-           **{f"{k}_ms": per_kind[k] for k in KINDS}}
+           **{f"{k}_ms": per_kind[k] for k in KINDS}, "ms_by_source": dict(by_source.most_common()),
+           "ops_by_source": {f: ops_by_source[f] for f, _ in by_source.most_common()}}
     return row, [(op, ms, origin.get(op, "")) for op, ms in ops.most_common()]
 
 
@@ -146,6 +158,10 @@ def main():
         print(f"\n{name}: the {args.top} HLO ops with the most device time (ms per step)")
         print_table([{"op": op, "ms": ms, "origin": origin[-90:]} for op, ms, origin in ops[:args.top]],
                     ["op", "ms", "origin"])
+    for row in table:
+        print(f"\n{row['program']}: device time by source file (ms per step, HLO ops timed)")
+        print_table([{"source": f, "ms": ms, "ops": row["ops_by_source"][f]}
+                     for f, ms in list(row["ms_by_source"].items())[:args.top]], ["source", "ms", "ops"])
     print(f"\n{args.model}, batch {args.batch}, {config.num_classes:,} classes, PartialFC {config.sample_rate}, "
           f"{jax.devices()[0].device_kind}")
     print_table(table, ["program", "wall_ms", "device_ms", *(f"{k}_ms" for k in KINDS)])

@@ -32,7 +32,7 @@ SCRIPTS = {
     "gpu_plan.py": {"model", "fc_state_dtype", "gpus", "fixed_GiB", "bytes_per_class", "max_classes_75",
                     "max_classes_95"},
     "gpu_program.py": {"program", "kind", "kernels", "result_MiB", "moved_GiB"},
-    "profile_step.py": {"program", "wall_ms", "device_ms", "fusion_ms"},
+    "profile_step.py": {"program", "wall_ms", "device_ms", "fusion_ms", "ms_by_source", "ops_by_source"},
     "fc_rounding.py": {"fc_dtype", "fc_weight_rounding", "loss_last", "moved_positive", "moved_other",
                        "off_float32_active", "off_float32_other", "top1", "probe_loss"},
     "mbf_convolutions.py": {"part", "lowering", "batch"},
