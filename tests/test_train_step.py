@@ -97,25 +97,34 @@ def assert_close(a, b, rtol=1e-4, atol=1e-6):
         np.testing.assert_allclose(x, y, rtol=rtol, atol=atol)
 
 
-def assert_same_update(new, expected, old, rtol=1e-2, atol=1e-6):
-    """Each leaf of ``new`` moved from ``old`` as ``expected`` did, to ``rtol`` of that move's norm. Relative to the
-    move, not the value: CI's CPU once put the 8-device stem BatchNorm bias 1e-3 of its move off the 1-device one
-    (this machine: 1e-6), as when rounding puts one activation on the other side of a PReLU's kink; a wrong
-    step (per-device statistics for synced ones) is off by more than its whole move."""
+def assert_same_update(new, expected, old, rtol=1e-2, leaf_rtol=1e-1, atol=1e-6):
+    """``new`` moved from ``old`` as ``expected`` did: the whole move to ``rtol`` of its norm, each leaf's to
+    ``leaf_rtol`` of its own. Relative to the move, not the value, and looser per leaf: rounding can put one
+    activation on the other side of a PReLU's kink, which changes one term of every sum its gradient enters, and a
+    BatchNorm bias followed by another BatchNorm has a gradient that nearly cancels (a sum of near-opposite terms), so
+    one flip moves it by a share of its small move (at one seed 1.0% of a bias's move and 0.13% of the whole update,
+    against 2e-6 at others: a discrete change, as a flip makes). A wrong step (per-device statistics for synced ones)
+    is off by more than its whole move."""
+    flat = lambda tree: np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(tree)])
+    moved, expected_move = flat(new) - flat(old), flat(expected) - flat(old)
+    error, scale = np.linalg.norm(moved - expected_move), np.linalg.norm(expected_move)
+    assert error <= rtol * scale, f"the whole update moved {error:.3g} off, of {scale:.3g}"
     for (path, x), y, x0 in zip(jax.tree_util.tree_leaves_with_path(new), jax.tree.leaves(expected),
                                 jax.tree.leaves(old), strict=True):
         moved, expected_move = (np.asarray(v, np.float64) - np.asarray(x0, np.float64) for v in (x, y))
         error, scale = np.linalg.norm(moved - expected_move), np.linalg.norm(expected_move)
-        assert error <= rtol * scale + atol, f"{jax.tree_util.keystr(path)}: moved {error:.3g} off, of {scale:.3g}"
+        assert error <= leaf_rtol * scale + atol, f"{jax.tree_util.keystr(path)}: moved {error:.3g} off, of {scale:.3g}"
 
 
 def train_steps(run, state, batches):
+    """``(the state after each step, each step's loss)`` of ``run`` from ``state`` over ``batches``."""
     step = jax.jit(run.train_step)
-    losses = []
+    states, losses = [], []
     for images, labels in batches:
         state, metrics = step(jax.device_put(state, run.state_shardings), images, labels)
+        states.append(state)
         losses.append(float(metrics["loss"]))
-    return state, losses
+    return states, losses
 
 
 def test_bn_sync_one_device_equals_eight_and_per_device_statistics_differ(rng):
@@ -126,15 +135,19 @@ def test_bn_sync_one_device_equals_eight_and_per_device_statistics_differ(rng):
     batches = [batch(rng, 32) for _ in range(2)]
     one, one_losses = train_steps(build(tiny_config(bn_sync=True), devices=jax.devices()[:1]), state, batches)
     synced, synced_losses = train_steps(synced_run, state, batches)
-    np.testing.assert_allclose(synced_losses, one_losses, rtol=1e-5)
-    assert_same_update(synced["params"], one["params"], state["params"])
-    assert_close(running_stats(synced_run, synced), running_stats(synced_run, one))
+    # the first step, from one state: its loss and running statistics (the forward's) equal to rounding, its update
+    # as assert_same_update says. The second starts from those slightly different states, which its loss shows
+    # (2.8e-5 off at one seed), where per-device statistics put it 1e-1 off
+    np.testing.assert_allclose(synced_losses[0], one_losses[0], rtol=1e-5)
+    assert_close(running_stats(synced_run, synced[0]), running_stats(synced_run, one[0]))
+    assert_same_update(synced[0]["params"], one[0]["params"], state["params"])
+    np.testing.assert_allclose(synced_losses[1], one_losses[1], rtol=1e-4)
     # without bn_sync, each device's 4 rows have their own statistics: the step is another one
     per_device_run = build(tiny_config())
     per_device, per_device_losses = train_steps(per_device_run, state, batches)
     flat = lambda stats: np.concatenate([np.ravel(x) for x in jax.tree.leaves(stats)])
     assert abs(per_device_losses[1] - one_losses[1]) > 1e-2  # measured 1.2
-    assert rel_err(flat(running_stats(per_device_run, per_device)), flat(running_stats(synced_run, one))) > 1e-3
+    assert rel_err(flat(running_stats(per_device_run, per_device[-1])), flat(running_stats(synced_run, one[-1]))) > 1e-3
 
 
 def test_per_device_statistics_step_equals_accumulating_the_devices_rows(rng):
