@@ -106,8 +106,9 @@ def profile(step, state, batch, steps: int) -> tuple[dict, list]:
         ops[op] += ns / steps / 1e6
     by_source, ops_by_source = collections.Counter(), collections.Counter()  # e.g. precision.py: the skip's checks
     for op, ms in ops.items():
-        by_source[source_file(origin.get(op, ""))] += ms
-        ops_by_source[source_file(origin.get(op, ""))] += 1
+        source = source_file(origin.get(op, ""))
+        by_source[source] += ms
+        ops_by_source[source] += 1
     row = {"wall_ms": statistics.median(walls), "device_ms": sum(per_kind.values()),
            **{f"{k}_ms": per_kind[k] for k in KINDS}, "ms_by_source": dict(by_source.most_common()),
            "ops_by_source": {f: ops_by_source[f] for f, _ in by_source.most_common()}}

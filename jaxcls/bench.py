@@ -86,9 +86,9 @@ def select(grid: list[tuple], keys: list[str], conditions: list[str]) -> list[tu
     stops the script with the grid's values (a job that would write an empty table)."""
     chosen = grid
     for condition in conditions:
-        key, value = condition.split("=", 1) if "=" in condition else (condition, None)
-        if key not in keys:
-            sys.exit(f"--only {condition}: KEY must be one of {', '.join(keys)}")
+        key, equals, value = condition.partition("=")
+        if not equals or key not in keys:
+            sys.exit(f"--only {condition}: expected KEY=VALUE, KEY one of {', '.join(keys)}")
         chosen = [spec for spec in chosen if str(spec[keys.index(key)]) == value]
     if not chosen:
         values = {key: sorted({str(spec[i]) for spec in grid}) for i, key in enumerate(keys)}

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from functools import partial
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 from jax import lax

@@ -108,6 +108,8 @@ def test_a_misspelt_flag_or_a_row_outside_the_grid_fails(monkeypatch, capsys):
     throughput = benchmark("step_throughput")
     with pytest.raises(SystemExit, match="no row of the grid matches; its values: model mbf, r100, r50; batch 128"):
         select(throughput.GRID, throughput.KEYS, ["model=mbf", "batch=128"])
+    with pytest.raises(SystemExit, match="--only model: expected KEY=VALUE, KEY one of model, batch, classes"):
+        select(throughput.GRID, throughput.KEYS, ["model"])
     assert command("sh:XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 benchmarks/loss.py --out $RESULTS/x.json @300") == (
         ROOT / "benchmarks" / "loss.py", ["--out", "/results/x.json"])
     assert command("|torch:r50 128 --max-classes @500")[1][:6] == ["--network", "r50", "--batch", "128", "--classes",
