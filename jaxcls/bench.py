@@ -46,7 +46,7 @@ FC_KERNELS = ("xla", *rows_backward.VARIANTS)
 FC_KERNELS_HELP = ("the FC path's row kernels (jaxcls.losses.rows_stats, rows_backward): xla, XLA's forms of both; "
                    "pallas, both Triton kernels (CUDA GPUs); pallas_update, the statistics kernel and XLA's GEMMs "
                    "with the rows updated by a Triton kernel (rows_backward.GEMMS_IN_KERNELS off); default, each "
-                   "platform's own (on CUDA GPUs the statistics kernel and XLA's backward)")
+                   "platform's own (on CUDA GPUs that of pallas_update)")
 
 
 @contextmanager

@@ -35,7 +35,8 @@ D = 32  # tiny.py's embedding size
 def compiled_at(rows: int, fc_state_dtype: str = "same", backward: str | None = None, fc_dtype: str = "bfloat16"):
     """``(run, compiled step)`` of the tiny config, bfloat16 compute, FC weight in ``fc_dtype`` (its state in
     ``fc_state_dtype``), PartialFC 0.5, on 8 H100s; the FC path's kernels as ``--fc-kernels backward`` picks them
-    (``jaxcls.bench.fc_kernels``; None: the platform's default, the statistics kernel and XLA's backward). Compiled
+    (``jaxcls.bench.fc_kernels``; None: the platform's default, the statistics kernel, XLA's GEMMs and the update
+    kernel). Compiled
     once per process for each setting, however the call spells it (``functools.cache`` keys on the arguments as
     passed: ``compiled_at(R)`` and ``compiled_at(R, "same")`` compiled twice)."""
     return _compiled_at(rows, fc_state_dtype, backward, fc_dtype)
@@ -59,11 +60,13 @@ def _compiled_at(rows: int, fc_state_dtype: str, backward: str | None, fc_dtype:
 @COMPILED_AT
 @pytest.mark.slow
 @pytest.mark.gpu_target
-@pytest.mark.parametrize("fc_dtype,fc_state_dtype", [("bfloat16", "same"), ("bfloat16", "int8"), ("float32", "same")])
-def test_the_fc_update_is_in_place_and_no_collective_grows_with_the_classes(fc_dtype, fc_state_dtype):
-    """(XLA's backward updates 16-bit rows with a select of old and new in its scatters, float32 rows by dropping the
-    rows not kept: both in place.)"""
-    (small_run, small), (big_run, big) = (compiled_at(rows, fc_state_dtype, fc_dtype=fc_dtype) for rows in ROWS)
+@pytest.mark.parametrize("fc_dtype,fc_state_dtype,backward", [
+    ("bfloat16", "same", None), ("bfloat16", "int8", None), ("float32", "same", None),
+    ("bfloat16", "same", "xla")])
+def test_the_fc_update_is_in_place_and_no_collective_grows_with_the_classes(fc_dtype, fc_state_dtype, backward):
+    """The default GPU form (the update kernel after XLA's GEMMs) and XLA's form (which GPUs run for rows replicated
+    over the data replicas), which updates 16-bit rows in place with a select of old and new in its scatters."""
+    (small_run, small), (big_run, big) = (compiled_at(rows, fc_state_dtype, backward, fc_dtype) for rows in ROWS)
     assert big_run.mesh.devices.flat[0].device_kind == "NVIDIA H100 80GB HBM3"
     more_rows = ROWS[1] - ROWS[0]
     grown = {part: step_memory(big_run, big).parts[part] - step_memory(small_run, small).parts[part]
@@ -145,17 +148,19 @@ def test_the_fc_rows_are_read_by_index_and_updated_by_kernels_that_touch_each_on
 @pytest.mark.slow
 @pytest.mark.gpu_target
 def test_the_update_kernel_alone_updates_the_rows_in_place_after_xlas_gemms():
-    """With rows_backward.GEMMS_IN_KERNELS off (``--fc-kernels pallas_update``) XLA's GEMMs form the embeddings' and
+    """By default on a GPU (rows_backward.KERNEL_ON_CUDA, GEMMS_IN_KERNELS off: ``--fc-kernels pallas_update``), the
+    statistics are rows_stats' kernel, XLA's GEMMs form the embeddings' and
     the rows' gradients from one gathered copy of the weight's rows, and rows_update, once per tile, reads the rows
     and their momentum by index and writes them in place: no scatter and no gathered momentum in the tile loops
     (XLA's form gathers both and scatters each, re-reading the gathered rows: 18.1 KB a sampled row at batch 128,
     D = 512, bfloat16, against this form's 13.1; benchmarks/fc_bytes_per_row.py). Its gather and GEMMs are XLA's
     form's, whose temporaries test_the_fc_update_is_in_place_and_no_collective_grows_with_the_classes holds to the
     class count."""
-    text = compiled_at(ROWS[0], backward="pallas_update")[1].as_text()
+    text = compiled_at(ROWS[0])[1].as_text()
     found = kernels(text)
-    ours = [k for k in found if "/rows_update/pallas_call" in k.origin]
-    assert len(ours) == 1 and ours[0].count > 1, ours
+    for kernel in ("rows_stats", "rows_update"):
+        ours = [k for k in found if f"/{kernel}/pallas_call" in k.origin]
+        assert len(ours) == 1 and ours[0].count > 1, (kernel, ours)
     assert 'name = "rows_embedding_grad"' not in text
     in_loops = [k for k in found if k.count > 1]
     assert not [k.origin for k in in_loops if "/scatter" in k.origin]
@@ -173,11 +178,11 @@ def test_the_update_kernel_alone_updates_the_rows_in_place_after_xlas_gemms():
 @COMPILED_AT
 @pytest.mark.slow
 @pytest.mark.gpu_target
-def test_the_fc_backward_on_a_gpu_is_xlas_form_unless_forced():
-    """rows_backward.KERNEL_ON_CUDA is off (an H100 timed its untuned kernels slower than XLA's form): by default the
-    step compiled for GPUs runs the statistics kernel and XLA's backward, which scatters the updated rows."""
-    text = compiled_at(ROWS[0])[1].as_text()
-    assert 'name = "rows_stats"' in text
+def test_the_fc_backward_on_a_gpu_takes_xlas_form_where_forced():
+    """``--fc-kernels xla`` (jaxcls.bench.fc_kernels): the statistics and the backward in XLA's form, which scatters
+    the updated rows, no kernel."""
+    text = compiled_at(ROWS[0], "same", "xla")[1].as_text()
+    assert 'name = "rows_stats"' not in text
     assert 'name = "rows_update"' not in text and 'name = "rows_embedding_grad"' not in text
     assert " scatter(" in text
 
@@ -192,7 +197,7 @@ def test_the_fc_path_moves_at_most_8_kb_per_sampled_row(tmp_path):
     recompute the cosines from the rows read by index, the update forming the rows' gradient on chip). The script's
     only test: its JSON holds what test_benchmarks asks of every script's."""
     out = tmp_path / "bytes.json"
-    # the kernels' count (XLA's form, the default on GPUs, moves 18.1 KB)
+    # the looped kernels' count (the default GPU form, the update kernel after XLA's GEMMs, moves 13.1 KB; XLA's 18.1)
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fc_bytes_per_row.py"), "--fc-dtype", "bfloat16",
                            "--fc-kernels", "pallas", "--out", str(out)], cwd=ROOT, env=script_env(),
                           capture_output=True, text=True, timeout=600)

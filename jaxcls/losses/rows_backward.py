@@ -9,23 +9,24 @@ hit L1/L2; not yet measured).
 with the rows ``index`` replaced where ``keep`` holds by ``rule(rows, (product, radial), index, *scalars)``, the
 rows' gradient in ``tiles.tile_grad_parts``' two parts. Two forms compute it, the first in two variants:
 
-- ``"pallas"`` (when forced, or on CUDA GPUs where ``KERNEL_ON_CUDA``): two Triton kernels that read the rows by
-  index and recompute each block's cosines and their gradient on chip from the tile's log-sum-exp (no ``[N, T]``
-  array and no ``[T, D]`` copy or gradient is written). The first gives ``d_e``: each program owns a block of
-  embeddings and a share of the tile's rows, and writes its partial sum, which XLA adds. The second, one program per
-  block of rows, sums the rows' gradient over the batch, applies ``rule`` in registers and stores the rows back in
-  place. It runs after the first, which needs the rows as they were. ``d_e`` stays float32 over the whole tile
-  (XLA's form rounds it to the embeddings' dtype).
-  With ``GEMMS_IN_KERNELS`` off (``"pallas_update"``), XLA's GEMMs give ``d_e`` (rounded as in XLA's form) and the
-  rows' gradient parts from a gathered copy of the weight's rows, and only the update is a kernel: one program per
-  block of rows reads the rows' product, the rows and their slots by index and stores the new rows in place, each row
-  read and written once, with no loop over the batch. (Two more variants, the rows' product multiplied in that kernel
-  and its factor from a kernel of its own, moved fewer bytes; an H100 timed both slower than this one, and they were
-  removed.)
-- ``"xla"`` (the default on every platform, CUDA GPUs included: an H100 timed it faster than the untuned kernels;
-  always for rows a Triton block does not fit, and for rows replicated over mesh axes that hold other embeddings,
-  whose gradient is a sum over devices that autodiff forms and no kernel sees): ``gathered()`` (the rows as the
-  caller reads them), ``tiles.tile_grad_parts``, and per array a gather and a scatter (``array.at[index].set``).
+- ``"pallas"`` (on CUDA GPUs, where ``KERNEL_ON_CUDA``, or when forced), in two variants. By default
+  (``GEMMS_IN_KERNELS`` off, ``"pallas_update"``) XLA's GEMMs give ``d_e`` (rounded as in XLA's form) and the rows'
+  gradient parts from a gathered copy of the weight's rows, and only the update is a kernel: one program per block of
+  rows reads the rows' product, the rows and their slots by index and stores the new rows in place, each row read and
+  written once, with no loop over the batch. An H100 timed the r50 step (batch 128, PartialFC 0.1) 6% faster at 8M
+  classes with a float32 FC state and 11% faster at 36.9M with a bfloat16 one than in XLA's form (2026-11-27).
+  With ``GEMMS_IN_KERNELS`` on (``"pallas"``) two Triton kernels read the rows by index and recompute each block's
+  cosines and their gradient on chip from the tile's log-sum-exp (no ``[N, T]`` array and no ``[T, D]`` copy or
+  gradient is written). The first gives ``d_e``: each program owns a block of embeddings and a share of the tile's
+  rows, and writes its partial sum, which XLA adds. The second, one program per block of rows, sums the rows'
+  gradient over the batch, applies ``rule`` in registers and stores the rows back in place. It runs after the first,
+  which needs the rows as they were. ``d_e`` stays float32 over the whole tile. They move the fewest bytes, and an
+  H100 timed them 2-3x slower than XLA's form per tile. (Two more variants, the rows' product multiplied in the
+  update kernel and its factor from a kernel of its own, were timed slower than the update alone and removed.)
+- ``"xla"`` (the default on every other platform; always for rows a Triton block does not fit, and for rows
+  replicated over mesh axes that hold other embeddings, whose gradient is a sum over devices that autodiff forms and
+  no kernel sees): ``gathered()`` (the rows as the caller reads them), ``tiles.tile_grad_parts``, and per array a
+  gather and a scatter (``array.at[index].set``).
 
 Without ``keep`` only ``d_e`` is computed and ``arrays`` come back untouched. With ``reads=k`` the first ``k`` arrays
 are only read (the loss's backward reads the weight and writes its gradient). ``forced(form)`` picks one form while
@@ -61,12 +62,11 @@ UPDATE_WARPS = 8
 GRAD_BLOCK_DIM = UPDATE_BLOCK_DIM = 64  # the cosines' products take the embedding dimension in slices of this many
 GRAD_STAGES = UPDATE_STAGES = 1  # Triton's software-pipelining stages of each kernel's loop
 # Chosen by registers, compiled for an H100 (benchmarks/fc_kernels.py --registers): 128 a thread in both kernels, no
-# spills, two programs an SM. An H100 timed them at 2-3x XLA's form's time for a 65,536-row tile at N = 128 (2026-11-27;
-# 1.3-1.5x on 2026-11-26 with other settings), and the update kernel alone (GEMMS_IN_KERNELS off) at 0.71-0.81x. A
-# tile is not the step: XLA's form stays the default on CUDA GPUs until the step is timed in both forms
-# (benchmarks/lease_jobs.txt); forced("pallas") runs the kernels, variant() picks which.
-KERNEL_ON_CUDA = False
-GEMMS_IN_KERNELS = True  # False: XLA's GEMMs form d_e and the rows' product; a kernel updates the rows
+# spills, two programs an SM. Timed on an H100 for a 65,536-row tile at N = 128: the looped kernels at 2-3x XLA's form's
+# time, the update kernel alone at 0.71-0.81x (2026-11-27); then the whole r50 step with the update kernel alone
+# (docs/benchmarks.md, the fifth lease): 3,908 img/s against 3,691 at 8M classes, 2,494 against 2,251 at 36.9M.
+KERNEL_ON_CUDA = True
+GEMMS_IN_KERNELS = False  # True: the looped kernels form d_e and the rows' gradient too (the "pallas" variant)
 # the kernel form's variants, by the benchmarks' --fc-kernels names: their values of VARIANT_FLAGS
 VARIANT_FLAGS = ("GEMMS_IN_KERNELS",)
 VARIANTS = {"pallas": (True,), "pallas_update": (False,)}
