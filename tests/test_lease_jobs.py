@@ -1,13 +1,16 @@
-"""benchmarks/lease_jobs.txt, the next GPU lease's jobs, read as benchmarks/gpu_lease.sh reads them: every job names a
-script that exists and arguments that script accepts, and a train step's job selects a row of its grid and a config
-that validates. A lease has about 15 device minutes; a misspelt flag found on the GPU costs one of its jobs."""
+"""benchmarks/lease_jobs.txt, the next GPU lease's jobs, as benchmarks/gpu_lease.sh's dry run prints them: every job
+names a script that exists and arguments that script accepts, and a train step's job selects a row of its grid and a
+config that validates. A lease has about 15 device minutes; a misspelt flag found on the GPU costs one of its jobs."""
 
 import argparse
+import functools
 import os
 import re
 import runpy
 import shlex
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,32 +22,32 @@ from test_benchmarks import benchmark
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT.parent / "shared" / "bench"  # where the lease's .gpudata/bench is copied from
 JOBS = [line for line in (ROOT / "benchmarks" / "lease_jobs.txt").read_text().splitlines() if line.strip()]
-OUT = "/results/out.json"  # no job runs: any path will do
+
+
+def commands(jobs: tuple[str, ...]) -> dict[str, tuple[Path, list[str]]]:
+    """``{job: (script, arguments)}``: what gpu_lease.sh runs for each job (a ``|`` fallback's without its ``|``), as
+    its dry run (``LEASE_DRY_RUN=1``) prints them; arcface_torch's bench read from ../shared/bench."""
+    with tempfile.TemporaryDirectory() as scratch:
+        env = os.environ | {"LEASE_DRY_RUN": "1", "OUT": f"{scratch}/out", "RESULTS": f"{scratch}/results"}
+        proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_lease.sh"), *jobs], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    found, job = {}, None
+    for line in proc.stdout.splitlines():
+        if started := re.fullmatch(r"=== \d\d:\d\d:\d\d (.*)", line):
+            job = None if re.match(r"rc=\d+ after ", started.group(1)) else started.group(1)
+        elif job and line.startswith("python3 "):
+            script, *args = shlex.split(line)[1:]
+            found[job] = ((BENCH / script.removeprefix(".gpudata/bench/")) if script.startswith(".gpudata/bench/")
+                          else ROOT / script), args
+    missing = [j for j in jobs if j.removeprefix("|") not in found]
+    assert not missing, f"gpu_lease.sh's dry run ran no python3 for {missing}: {proc.stdout[-2000:]}"
+    return found
 
 
 def command(job: str) -> tuple[Path, list[str]]:
-    """``(script, arguments)`` that gpu_lease.sh runs for ``job`` (its `|` and ` @SECONDS` taken off)."""
-    job = re.sub(r"\s+@[1-9][0-9]*\s*$", "", job.removeprefix("|"))
-    kind, spec = job.split(":", 1)
-    if kind == "train":  # KEY=VALUE selects grid rows, except as a --set's value
-        words, args = spec.split(), []
-        for prev, word in zip([None, *words], words):
-            args += ["--only", word] if "=" in word and prev != "--set" else [word]
-        return ROOT / "benchmarks" / "step_throughput.py", [*args, "--out", OUT]
-    if kind == "torch":
-        network, batch, *rest = spec.split()
-        classes = rest.pop(0) if rest and not rest[0].startswith("-") else "1000000"
-        return BENCH / "arcface_torch_bench.py", ["--network", network, "--batch", batch, "--classes", classes,
-                                                  "--sample-rate", "0.1", "--fp16", *rest, "--out", OUT]
-    if kind == "py":
-        script, *args = shlex.split(spec)
-        return ROOT / "benchmarks" / script, [*args, "--out", OUT]
-    assert kind == "sh", f"{job}: unknown kind {kind}"
-    words = shlex.split(spec.replace("$RESULTS", "/results"))
-    while re.fullmatch(r"[A-Z_]+=\S*", words[0]):  # environment assignments
-        words.pop(0)
-    assert words[0] == "python3" and words[1].startswith("benchmarks/"), f"{job}: not a benchmark script"
-    return ROOT / words[1], words[2:]
+    """``(script, arguments)`` that gpu_lease.sh runs for ``job``."""
+    return commands((job,))[job.removeprefix("|")]
 
 
 class Parsed(Exception):
@@ -77,9 +80,14 @@ def parsed_arguments(script: Path, args: list[str], monkeypatch, capsys):
     pytest.fail(f"{script.name} ran to its end without parsing its arguments")
 
 
+@functools.cache
+def lease_commands() -> dict[str, tuple[Path, list[str]]]:
+    return commands(tuple(JOBS))
+
+
 @pytest.mark.parametrize("job", JOBS)
 def test_every_job_of_the_next_lease_is_accepted_by_its_script(job, monkeypatch, capsys):
-    script, args = command(job)
+    script, args = lease_commands()[job.removeprefix("|")]
     if script.is_relative_to(BENCH) and not BENCH.exists():
         pytest.skip(f"arcface_torch's bench is not at {BENCH}")
     assert script.exists(), f"{job}: no {script}"
@@ -110,7 +118,7 @@ def test_a_misspelt_flag_or_a_row_outside_the_grid_fails(monkeypatch, capsys):
         select(throughput.GRID, throughput.KEYS, ["model=mbf", "batch=128"])
     with pytest.raises(SystemExit, match="--only model: expected KEY=VALUE, KEY one of model, batch, classes"):
         select(throughput.GRID, throughput.KEYS, ["model"])
-    assert command("sh:XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 benchmarks/loss.py --out $RESULTS/x.json @300") == (
-        ROOT / "benchmarks" / "loss.py", ["--out", "/results/x.json"])
+    script, args = command("sh:XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 benchmarks/loss.py --out $RESULTS/x.json @3")
+    assert script == ROOT / "benchmarks" / "loss.py" and args[0] == "--out" and args[1].endswith("/results/x.json")
     assert command("|torch:r50 128 --max-classes @500")[1][:6] == ["--network", "r50", "--batch", "128", "--classes",
                                                                  "1000000"]
