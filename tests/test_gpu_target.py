@@ -249,25 +249,30 @@ def test_the_whole_loss_keeps_no_float32_products_for_its_backward():
 @pytest.mark.gpu_target
 def test_the_chunked_loss_never_reads_back_the_gradient_it_fills():
     """sharded_margin_loss in chunks of 131,072 rows (C = 1M, N = 512, D = 512, float32 weight, XLA's backward, the
-    default on GPUs) compiled for an H100: its kernels read and write 28.7 GiB; 34.7 when each tile's scatter of the
-    weight's gradient selected between the new rows and the old ones it read back (6 GiB: the old rows and a pass)."""
+    GPUs' form for a gradient written) compiled for an H100: its kernels read and write 28.7 GiB; 30.7 in the update
+    kernel's form, which reads back the rows a tile does not keep; 34.7 when each tile's scatter of the weight's
+    gradient selected between the new rows and the old ones it read back (6 GiB: the old rows and a pass)."""
     device = gpu_target.gpu_devices("h100", 1)[0]
-    with rows_backward.forced("xla"):
-        compiled = benchmark("fc_bytes_per_row").compiled_loss_alone(512, 1 << 20, 131_072, device)
+    compiled = benchmark("fc_bytes_per_row").compiled_loss_alone(512, 1 << 20, 131_072, device)
     moved = sum(k.moved_bytes * k.count for k in kernels(compiled.as_text()))
-    assert moved < 31 * 2**30, moved / 2**30
+    assert moved < 29.5 * 2**30, moved / 2**30
 
 
 @pytest.mark.gpu_target
-def test_each_row_kernels_launch_and_registers_are_read_from_its_compile():
+@pytest.mark.parametrize("variant", list(rows_backward.VARIANTS))
+def test_each_row_kernels_launch_and_registers_are_read_from_its_compile(variant):
     """jaxcls.plan.ptx on the row kernels' H100 program (benchmarks/fc_kernels.py --registers): each kernel's grid and
-    warps are the modules' settings, and ptxas reports registers within an SM thread's 255."""
-    rows = {row["kernel"]: row for row in benchmark("fc_kernels").register_rows({}, n=128)}
-    assert set(rows) == {"rows_stats", "rows_embedding_grad", "rows_update"}
-    update, grad = rows["rows_update"], rows["rows_embedding_grad"]
+    warps are the modules' settings, and ptxas reports registers within an SM thread's 255; the embeddings' gradient
+    is a kernel only in the looped variant."""
+    with rows_backward.variant(variant):
+        rows = {row["kernel"]: row for row in benchmark("fc_kernels").register_rows({}, n=128)}
+    looped = variant == "pallas"
+    assert set(rows) == {"rows_stats", "rows_update"} | ({"rows_embedding_grad"} if looped else set())
+    update = rows["rows_update"]
     assert (update["programs"], update["warps"]) == (65_536 // rows_backward.UPDATE_BLOCK_ROWS,
                                                      rows_backward.UPDATE_WARPS)
-    assert (grad["warps"], rows["rows_stats"]["warps"]) == (rows_backward.GRAD_WARPS, rows_stats.WARPS)
+    assert rows["rows_stats"]["warps"] == rows_stats.WARPS
+    assert not looped or rows["rows_embedding_grad"]["warps"] == rows_backward.GRAD_WARPS
     assert all(0 < row["registers"] <= 255 and row["programs_per_sm"] >= 1 for row in rows.values())
 
 

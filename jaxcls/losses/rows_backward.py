@@ -9,7 +9,8 @@ hit L1/L2; not yet measured).
 with the rows ``index`` replaced where ``keep`` holds by ``rule(rows, (product, radial), index, *scalars)``, the
 rows' gradient in ``tiles.tile_grad_parts``' two parts. Two forms compute it, the first in two variants:
 
-- ``"pallas"`` (on CUDA GPUs, where ``KERNEL_ON_CUDA``, or when forced), in two variants. By default
+- ``"pallas"`` (on CUDA GPUs, where ``KERNEL_ON_CUDA``, for an optimizer's update, not a gradient written; or when
+  forced), in two variants. By default
   (``GEMMS_IN_KERNELS`` off, ``"pallas_update"``) XLA's GEMMs give ``d_e`` (rounded as in XLA's form) and the rows'
   gradient parts from a gathered copy of the weight's rows, and only the update is a kernel: one program per block of
   rows reads the rows' product, the rows and their slots by index and stores the new rows in place, each row read and
@@ -23,7 +24,7 @@ rows' gradient in ``tiles.tile_grad_parts``' two parts. Two forms compute it, th
   which needs the rows as they were. ``d_e`` stays float32 over the whole tile. They move the fewest bytes, and an
   H100 timed them 2-3x slower than XLA's form per tile. (Two more variants, the rows' product multiplied in the
   update kernel and its factor from a kernel of its own, were timed slower than the update alone and removed.)
-- ``"xla"`` (the default on every other platform; always for rows a Triton block does not fit, and for rows
+- ``"xla"`` (the default on every other platform, and for the loss's backward, which writes a gradient; always for rows a Triton block does not fit, and for rows
   replicated over mesh axes that hold other embeddings, whose gradient is a sum over devices that autodiff forms and
   no kernel sees): ``gathered()`` (the rows as the caller reads them), ``tiles.tile_grad_parts``, and per array a
   gather and a scatter (``array.at[index].set``).
@@ -108,8 +109,10 @@ def tile_backward(arrays: tuple, index, where: tiles.TileColumns, e_n, lse, g, m
         # rows replicated over mesh axes that hold other embeddings (class_axes=('class',) with data > 1): their
         # gradient is a sum over those devices, which autodiff forms in XLA's form and no kernel sees
         return xla(*args)
+    # a gradient written (reads > 0, the loss's backward) keeps XLA's form on GPUs: the kernel reads back the rows a
+    # tile does not keep, which XLA's scatter drops (compiled for an H100: 30.7 GiB at C = 1M, N = 512, against 28.7)
     return run(_FORM, partial(_pallas_form, margin=margin, rule=rule, reads=reads, gathered=gathered), xla, *args,
-               kernel_on_cuda=KERNEL_ON_CUDA)
+               kernel_on_cuda=KERNEL_ON_CUDA and not reads)
 
 
 def _xla_form(arrays, index, where, e_n, lse, g, keep, *scalars, margin, rule, gathered, reads, update=None):
