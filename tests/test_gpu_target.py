@@ -60,13 +60,11 @@ def _compiled_at(rows: int, fc_state_dtype: str, backward: str | None, fc_dtype:
 @COMPILED_AT
 @pytest.mark.slow
 @pytest.mark.gpu_target
-@pytest.mark.parametrize("fc_dtype,fc_state_dtype,backward", [
-    ("bfloat16", "same", None), ("bfloat16", "int8", None), ("float32", "same", None),
-    ("bfloat16", "same", "xla")])
-def test_the_fc_update_is_in_place_and_no_collective_grows_with_the_classes(fc_dtype, fc_state_dtype, backward):
-    """The default GPU form (the update kernel after XLA's GEMMs) and XLA's form (which GPUs run for rows replicated
-    over the data replicas), which updates 16-bit rows in place with a select of old and new in its scatters."""
-    (small_run, small), (big_run, big) = (compiled_at(rows, fc_state_dtype, backward, fc_dtype) for rows in ROWS)
+@pytest.mark.parametrize("fc_dtype,fc_state_dtype", [("bfloat16", "same"), ("bfloat16", "int8"), ("float32", "same")])
+def test_the_fc_update_is_in_place_and_no_collective_grows_with_the_classes(fc_dtype, fc_state_dtype):
+    """In the default GPU form, the update kernel after XLA's GEMMs. (XLA's form, which GPUs run for rows replicated
+    over the data replicas, was held to this as the GPU default until the fifth lease; XLA:CPU's tests hold it.)"""
+    (small_run, small), (big_run, big) = (compiled_at(rows, fc_state_dtype, None, fc_dtype) for rows in ROWS)
     assert big_run.mesh.devices.flat[0].device_kind == "NVIDIA H100 80GB HBM3"
     more_rows = ROWS[1] - ROWS[0]
     grown = {part: step_memory(big_run, big).parts[part] - step_memory(small_run, small).parts[part]

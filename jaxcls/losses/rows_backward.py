@@ -24,10 +24,10 @@ rows' gradient in ``tiles.tile_grad_parts``' two parts. Two forms compute it, th
   which needs the rows as they were. ``d_e`` stays float32 over the whole tile. They move the fewest bytes, and an
   H100 timed them 2-3x slower than XLA's form per tile. (Two more variants, the rows' product multiplied in the
   update kernel and its factor from a kernel of its own, were timed slower than the update alone and removed.)
-- ``"xla"`` (the default on every other platform, and for the loss's backward, which writes a gradient; always for rows a Triton block does not fit, and for rows
-  replicated over mesh axes that hold other embeddings, whose gradient is a sum over devices that autodiff forms and
-  no kernel sees): ``gathered()`` (the rows as the caller reads them), ``tiles.tile_grad_parts``, and per array a
-  gather and a scatter (``array.at[index].set``).
+- ``"xla"`` (the default on every other platform, and for the loss's backward, which writes a gradient; always for
+  rows a Triton block does not fit, and for rows replicated over mesh axes that hold other embeddings, whose gradient
+  is a sum over devices that autodiff forms and no kernel sees): ``gathered()`` (the rows as the caller reads them),
+  ``tiles.tile_grad_parts``, and per array a gather and a scatter (``array.at[index].set``).
 
 Without ``keep`` only ``d_e`` is computed and ``arrays`` come back untouched. With ``reads=k`` the first ``k`` arrays
 are only read (the loss's backward reads the weight and writes its gradient). ``forced(form)`` picks one form while
