@@ -10,12 +10,12 @@ with the rows ``index`` replaced where ``keep`` holds by ``rule(rows, (product, 
 rows' gradient in ``tiles.tile_grad_parts``' two parts. Two forms compute it, the first in two variants:
 
 - ``"pallas"`` (on CUDA GPUs, where ``KERNEL_ON_CUDA``, for an optimizer's update, not a gradient written; or when
-  forced), in two variants. By default
-  (``GEMMS_IN_KERNELS`` off, ``"pallas_update"``) XLA's GEMMs give ``d_e`` (rounded as in XLA's form) and the rows'
-  gradient parts from a gathered copy of the weight's rows, and only the update is a kernel: one program per block of
-  rows reads the rows' product, the rows and their slots by index and stores the new rows in place, each row read and
-  written once, with no loop over the batch. An H100 timed the r50 step (batch 128, PartialFC 0.1) 6% faster at 8M
-  classes with a float32 FC state and 11% faster at 36.9M with a bfloat16 one than in XLA's form (2026-11-27).
+  forced), in two variants. By default (``GEMMS_IN_KERNELS`` off, ``"pallas_update"``) XLA's GEMMs give ``d_e``
+  (rounded as in XLA's form) and the rows' gradient parts from a gathered copy of the weight's rows, and only the
+  update is a kernel: one program per block of rows reads the rows' product, the rows and their slots by index and
+  stores the new rows in place, each row read and written once, with no loop over the batch. An H100 timed the r50
+  step (batch 128, PartialFC 0.1) 6% faster at 8M classes with a float32 FC state and 11% faster at 36.9M with a
+  bfloat16 one than in XLA's form (2026-11-27).
   With ``GEMMS_IN_KERNELS`` on (``"pallas"``) two Triton kernels read the rows by index and recompute each block's
   cosines and their gradient on chip from the tile's log-sum-exp (no ``[N, T]`` array and no ``[T, D]`` copy or
   gradient is written). The first gives ``d_e``: each program owns a block of embeddings and a share of the tile's
