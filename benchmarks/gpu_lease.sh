@@ -18,7 +18,9 @@
 # Ask the device tool for an H100 by name (kind nvidia-h100-x1): unnamed, it may start an H200, whose rows do not
 # compare with the H100 goals and earlier rows (the log names the card).
 # LEASE_DRY_RUN=1 sets nothing up and runs each job, fallbacks too, with a `python3` that prints its command line
-# instead (`python3 ARGS`, shell-quoted, as the job would run it; what tests/test_lease_jobs.py reads), on any machine.
+# instead (`python3 ARGS`, shell-quoted, as the job would run it; what tests/test_lease_jobs.py reads), on any machine,
+# in a scratch folder of its own (its OUT and RESULTS: a real run after it skips nothing); an `sh:` job's commands
+# other than python3 run as written.
 # JOB_LIMIT (seconds, default 300) bounds each job. `bash benchmarks/prepare_lease.sh` fills the git-ignored folders
 # to carry with the call, before any device time is spent:
 #   .whl      jaxcls's dependencies the GPU image lacks, as cp312 wheels
@@ -29,16 +31,20 @@
 #             GPU's model and each fusion's HLO, so other cards and changed code tune anew); the timed steps are the
 #             same programs, only their compile_s is shorter.
 set -u
+dry=${LEASE_DRY_RUN:-0}
+if [[ $dry == 1 ]]; then
+  scratch=$(mktemp -d); trap 'rm -rf "$scratch"' EXIT
+  OUT=$scratch/out RESULTS=$scratch/results
+  mkdir -p "$scratch/bin"
+  printf '#!/usr/bin/env bash\necho "python3 ${*@Q}"\n' > "$scratch/bin/python3" && chmod +x "$scratch/bin/python3"
+  export PATH=$scratch/bin:$PATH
+fi
 OUT=${OUT:-/tmp/out}
 export RESULTS=${RESULTS:-/tmp/results}
 mkdir -p "$OUT" "$RESULTS"
 touch "$RESULTS/done.txt"
 exec > >(tee -a "$OUT/log.txt") 2>&1
-if [[ -n ${LEASE_DRY_RUN:-} ]]; then
-  shim=$(mktemp -d)
-  printf '#!/usr/bin/env bash\necho "python3 ${*@Q}"\n' > "$shim/python3" && chmod +x "$shim/python3"
-  export PATH=$shim:$PATH
-else
+if [[ $dry != 1 ]]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
   # a job that compiles what an earlier one did reuses it
@@ -59,7 +65,7 @@ for job in "$@"; do
   earlier=$(awk -F '\t' -v job="$job" '$2 == job {rc = $1} END {print rc}' "$RESULTS/done.txt")
   # (its status as it was, so that a `|JOB` after it runs on resume as it would have)
   [[ -n $earlier ]] && { echo "=== done in an earlier call (rc=$earlier): $job"; rc=$earlier; continue; }
-  $fallback && (( rc == 0 )) && [[ -z ${LEASE_DRY_RUN:-} ]] && { echo "=== skipped, the job before it passed: $job"; continue; }
+  $fallback && (( rc == 0 )) && [[ $dry != 1 ]] && { echo "=== skipped, the job before it passed: $job"; continue; }
   limit=${JOB_LIMIT:-300}; run=$job
   if [[ $run =~ ^(.*[^[:space:]])[[:space:]]+@([1-9][0-9]*)[[:space:]]*$ ]]; then
     run=${BASH_REMATCH[1]}; limit=${BASH_REMATCH[2]}
@@ -84,7 +90,7 @@ for job in "$@"; do
   rc=$?  # read before anything else runs: `$(date)` below would reset $?
   echo "=== $(date +%T) rc=$rc after $((SECONDS - start)) s: $job"
   printf '%s\t%s\n' "$rc" "$job" >> "$RESULTS/done.txt"
-  [[ -n ${LEASE_DRY_RUN:-} ]] && continue
+  [[ $dry == 1 ]] && continue
   tar czf "$OUT/results.tgz" "$RESULTS" benchmarks/results 2>/dev/null
   tar czf "$OUT/autotune.tgz" -C "$(dirname "$AUTOTUNE")" --transform "s|^$(basename "$AUTOTUNE")|autotune|" \
     "$(basename "$AUTOTUNE")"

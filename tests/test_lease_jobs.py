@@ -10,7 +10,6 @@ import runpy
 import shlex
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -26,23 +25,25 @@ JOBS = [line for line in (ROOT / "benchmarks" / "lease_jobs.txt").read_text().sp
 
 def commands(jobs: tuple[str, ...]) -> dict[str, tuple[Path, list[str]]]:
     """``{job: (script, arguments)}``: what gpu_lease.sh runs for each job (a ``|`` fallback's without its ``|``), as
-    its dry run (``LEASE_DRY_RUN=1``) prints them; arcface_torch's bench read from ../shared/bench."""
-    with tempfile.TemporaryDirectory() as scratch:
-        env = os.environ | {"LEASE_DRY_RUN": "1", "OUT": f"{scratch}/out", "RESULTS": f"{scratch}/results"}
-        proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_lease.sh"), *jobs], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
+    its dry run (``LEASE_DRY_RUN=1``) prints them; arcface_torch's bench read from ../shared/bench. Every job runs one
+    python3 command, an ``sh:`` job's a script of benchmarks/."""
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_lease.sh"), *jobs], cwd=ROOT,
+                          env=os.environ | {"LEASE_DRY_RUN": "1"}, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout[-3000:]  # the script's stderr goes to its log, on stdout
     found, job = {}, None
     for line in proc.stdout.splitlines():
         if started := re.fullmatch(r"=== \d\d:\d\d:\d\d (.*)", line):
             job = None if re.match(r"rc=\d+ after ", started.group(1)) else started.group(1)
         elif job and line.startswith("python3 "):
-            script, *args = shlex.split(line)[1:]
-            found[job] = ((BENCH / script.removeprefix(".gpudata/bench/")) if script.startswith(".gpudata/bench/")
-                          else ROOT / script), args
+            found.setdefault(job, []).append(shlex.split(line)[1:])
     missing = [j for j in jobs if j.removeprefix("|") not in found]
     assert not missing, f"gpu_lease.sh's dry run ran no python3 for {missing}: {proc.stdout[-2000:]}"
-    return found
+    many = {j: c for j, c in found.items() if len(c) != 1}
+    assert not many, f"jobs that run more than one python3 command: {many}"
+    outside = [j for j, [[script, *_]] in found.items() if j.startswith("sh:") and not script.startswith("benchmarks/")]
+    assert not outside, f"sh: jobs whose python3 runs no script of benchmarks/: {outside}"
+    return {j: (BENCH / script.removeprefix(".gpudata/bench/") if script.startswith(".gpudata/bench/")
+                else ROOT / script, args) for j, [[script, *args]] in found.items()}
 
 
 def command(job: str) -> tuple[Path, list[str]]:
