@@ -15,8 +15,8 @@ Each row also gives the bytes per sampled row of each JAX source line's kernels 
 ``jaxcls.plan.kernels.moved_by_origin``, a gradient's lines marked backward). ``--loss-alone``
 counts the loss by itself instead: ``sharded_margin_loss`` forward and backward at C = 1M, N = 512 on one H100.
 ``--fc-kernels pallas`` counts the looped Triton kernels' form of the FC path (by default the GPU program runs the
-statistics kernel, XLA's GEMMs and the update kernel: ``jaxcls.losses.rows_backward.KERNEL_ON_CUDA``), ``--fc-kernels
-xla`` XLA's forms.
+statistics kernel, XLA's GEMMs and the update kernel: ``jaxcls.losses.rows_backward.KERNEL_ON_CUDA``; the loss alone
+keeps XLA's backward), ``--fc-kernels xla`` XLA's forms.
 ``--fc-weight-rounding stochastic`` counts a bfloat16 weight rounded stochastically (its bits hashed where they are
 used, or written to memory if XLA does not fuse the hash).
 Compile-only: it counts bytes, it does not time. Needs JAX's CUDA plugin.
