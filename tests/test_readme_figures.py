@@ -1,7 +1,8 @@
 """Every measured figure in README.md comes from a raw file: docs/measurements/README.md maps each one to the JSON it
 is read from, and this recomputes it.
 
-A figure is an img/s count (``5,477 img/s``), a ratio (``3.6×``) or a class count with a decimal (``18.6M classes``).
+A figure is an img/s count (``5,477 img/s``), a ratio (``3.6×``), a class count with a decimal (``18.6M classes``) or
+a memory size (``75.0 GiB``, read from bytes).
 """
 
 import json
@@ -13,12 +14,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 MEASUREMENTS = ROOT / "docs" / "measurements"
 FIGURES = [re.compile(r"(?<![\w.,])(\d[\d,]*(?:\.\d+)?) img/s"), re.compile(r"(?<![\w.,])(\d+(?:\.\d+)?×)"),
-           re.compile(r"(?<![\w.,])(\d+\.\d+M) classes")]
-ROW = re.compile(r"^\| (\d[\d,.]*[×M]?) \| [^|]+ \| `([^`]+)` \|$")
+           re.compile(r"(?<![\w.,])(\d+\.\d+M) classes"), re.compile(r"(?<![\w.,])(\d+(?:\.\d+)? GiB)")]
+ROW = re.compile(r"^\| (\d[\d,.]*(?:[×M]| GiB)?) \| [^|]+ \| `([^`]+)` \|$")
 
 
 def readme_figures(text: str) -> set[str]:
-    """The figures a text states, as written (``"5,477"``, ``"3.6×"``, ``"18.6M"``)."""
+    """The figures a text states, as written (``"5,477"``, ``"3.6×"``, ``"18.6M"``, ``"75.0 GiB"``)."""
     text = " ".join(text.split())  # a figure and its unit may be wrapped onto two lines
     return {m.group(1) for pattern in FIGURES for m in pattern.finditer(text)}
 
@@ -42,11 +43,12 @@ def value(source: str) -> float:
 
 
 def as_written(number: float, figure: str) -> str:
-    """``number`` rounded and formatted as ``figure`` is: its decimals, thousands commas, a ``×`` or ``M``."""
-    suffix = figure[-1] if figure[-1] in "×M" else ""
-    digits = figure.rstrip("×M").replace(",", "")
+    """``number`` rounded and formatted as ``figure`` is: its decimals, thousands commas, a ``×``, ``M`` or `` GiB``
+    (``number`` then in bytes)."""
+    suffix = " GiB" if figure.endswith(" GiB") else figure[-1] if figure[-1] in "×M" else ""
+    digits = figure.removesuffix(suffix).replace(",", "")
     decimals = len(digits.split(".")[1]) if "." in digits else 0
-    scaled = number / 1e6 if suffix == "M" else number
+    scaled = number / {"M": 1e6, " GiB": 2**30}.get(suffix, 1)
     return f"{scaled:{',' if ',' in figure else ''}.{decimals}f}{suffix}"
 
 
@@ -66,8 +68,8 @@ def test_each_figure_is_its_raw_file_rounded(figure):
 
 
 def test_the_figures_and_their_rounding_are_read_as_written():
-    text = "ran 5,477 img/s at\nbatch 128 and 540 img/s (3.6× and 10×), 18.6M classes; 8M classes, 89.5M pixels"
-    assert readme_figures(text) == {"5,477", "540", "3.6×", "10×", "18.6M"}
-    assert [as_written(v, f) for v, f in [(5476.6, "5,477"), (539.6, "540"), (3.61, "3.6×"), (18_641_000, "18.6M")]] \
-        == ["5,477", "540", "3.6×", "18.6M"]
+    text = "ran 5,477 img/s at\nbatch 128 and 540 img/s (3.6× and 10×), 18.6M classes; 8M classes, 89.5M px, 75.0\nGiB"
+    assert readme_figures(text) == {"5,477", "540", "3.6×", "10×", "18.6M", "75.0 GiB"}
+    written = [(5476.6, "5,477"), (539.6, "540"), (3.61, "3.6×"), (18_641_000, "18.6M"), (80_552_201_728, "75.0 GiB")]
+    assert [as_written(v, f) for v, f in written] == [f for _, f in written]
     assert as_written(5474.4, "5,477") != "5,477" and as_written(3.66, "3.6×") != "3.6×"
