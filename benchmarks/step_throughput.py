@@ -32,6 +32,7 @@ from jaxcls.models import grouped_conv, layers
 from jaxcls.startup import simulate_cpu_devices
 
 KEYS = ["model", "batch", "classes", "sample_rate", "precision"]  # of a grid row, as --only names them
+CONFIG_KEYS = ["model", "batch_size", "num_classes", "sample_rate", "precision"]  # the same, as the config names them
 GRID = [(m, b, 1_000_000, 0.1, "bfloat16") for m in ("r50", "r100") for b in (128, 256, 512)]
 GRID += [("mbf", 512, 1_000_000, 0.1, "bfloat16")]
 
@@ -67,9 +68,8 @@ def main():
     steps, warmup = args.steps or steps, warmup if args.warmup is None else args.warmup
     syncs = {"off": [False], "on": [True], "both": [False, True]}[args.bn_sync]
     rows = []
-    for (model, batch, classes, rate, precision), bn_sync in itertools.product(grid, syncs):
-        config = benchmark_config(small=args.small, overrides=args.set, model=model, batch_size=batch,
-                                  num_classes=classes, sample_rate=rate, precision=precision, bn_sync=bn_sync)
+    for spec, bn_sync in itertools.product(grid, syncs):
+        config = benchmark_config(small=args.small, overrides=args.set, **dict(zip(CONFIG_KEYS, spec)), bn_sync=bn_sync)
         with (grouped_conv.forced(args.grouped_conv), fc_kernels(args.fc_kernels),
               layers.bn_backward_forced(args.bn_backward)):
             row = time_train_step(config, steps, args.pipeline, warmup)

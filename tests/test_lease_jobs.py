@@ -96,8 +96,8 @@ def test_every_job_of_the_next_lease_is_accepted_by_its_script(job, monkeypatch,
     overrides = [a.dest for a in parser._actions if a.help == CONFIG_KEY]  # --set KEY=VALUE, as a jaxcls config key
     if script.name == "step_throughput.py":  # the grid rows --only selects, each with the --set overrides
         throughput = benchmark("step_throughput")
-        rows = [dict(zip(["model", "batch_size", "num_classes", "sample_rate", "precision"], spec))
-                for spec in select(throughput.GRID, throughput.KEYS, namespace.only)]
+        grid = select(throughput.GRID, throughput.KEYS, namespace.only)
+        rows = [dict(zip(throughput.CONFIG_KEYS, spec)) for spec in grid]
     else:
         rows = [{}]
     for keys in rows if overrides else []:

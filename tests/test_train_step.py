@@ -97,6 +97,11 @@ def assert_close(a, b, rtol=1e-4, atol=1e-6):
         np.testing.assert_allclose(x, y, rtol=rtol, atol=atol)
 
 
+def flat(tree) -> np.ndarray:
+    """Every leaf of ``tree`` raveled into one float64 vector."""
+    return np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(tree)])
+
+
 def assert_same_update(new, expected, old, rtol=1e-2, leaf_rtol=1e-1, atol=1e-6):
     """``new`` moved from ``old`` as ``expected`` did: the whole move to ``rtol`` of its norm, each leaf's to
     ``leaf_rtol`` of its own. Relative to the move, not the value, and looser per leaf: rounding can put one
@@ -105,7 +110,6 @@ def assert_same_update(new, expected, old, rtol=1e-2, leaf_rtol=1e-1, atol=1e-6)
     one flip moves it by a share of its small move (at one seed 1.0% of a bias's move and 0.13% of the whole update,
     against 2e-6 at others: a discrete change, as a flip makes). A wrong step (per-device statistics for synced ones)
     is off by more than its whole move."""
-    flat = lambda tree: np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(tree)])
     moved, expected_move = flat(new) - flat(old), flat(expected) - flat(old)
     error, scale = np.linalg.norm(moved - expected_move), np.linalg.norm(expected_move)
     assert error <= rtol * scale, f"the whole update moved {error:.3g} off, of {scale:.3g}"
@@ -145,7 +149,6 @@ def test_bn_sync_one_device_equals_eight_and_per_device_statistics_differ(rng):
     # without bn_sync, each device's 4 rows have their own statistics: the step is another one
     per_device_run = build(tiny_config())
     per_device, per_device_losses = train_steps(per_device_run, state, batches)
-    flat = lambda stats: np.concatenate([np.ravel(x) for x in jax.tree.leaves(stats)])
     assert abs(per_device_losses[1] - one_losses[1]) > 1e-2  # measured 1.2
     assert rel_err(flat(running_stats(per_device_run, per_device[-1])), flat(running_stats(synced_run, one[-1]))) > 1e-3
 
