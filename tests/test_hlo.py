@@ -145,6 +145,39 @@ def test_fusions_count_what_their_slices_take_and_what_they_scatter_in_place():
     assert moved == {"first": 8 * 2 + 8 * 4, "update": 4 * 4 + 4 * 8 * 4 + 4 * 8 * 4}, moved
 
 
+GATHERS = """
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%fused_gathers (g0: bf16[1000,8], g1: s32[64,1], g2: s32[4,1]) -> f32[4] {
+  %g0 = bf16[1000,8]{1,0} parameter(0)
+  %g1 = s32[64,1]{1,0} parameter(1)
+  %g2 = s32[4,1]{1,0} parameter(2)
+  %tile = bf16[64,8]{1,0} gather(%g0, %g1), offset_dims={1}, collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={1,8}
+  %rows = bf16[4,8]{1,0} gather(%tile, %g2), offset_dims={1}, collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={1,8}
+  %c = f32[4,8]{1,0} convert(%rows)
+  %zero = f32[] constant(0)
+  ROOT %r = f32[4]{0} reduce(%c, %zero), dimensions={1}, to_apply=%add
+}
+
+ENTRY %main (w: bf16[1000,8], i: s32[64,1], j: s32[4,1]) -> f32[4] {
+  %w = bf16[1000,8]{1,0} parameter(0)
+  %i = s32[64,1]{1,0} parameter(1)
+  %j = s32[4,1]{1,0} parameter(2)
+  ROOT %targets = f32[4]{0} fusion(%w, %i, %j), kind=kInput, calls=%fused_gathers
+}
+"""
+
+
+def test_a_fused_gather_of_gathered_rows_reads_only_the_rows_it_takes():
+    """As a fused target-row lookup in a tile's rows: 4 of the tile's 64 gathered rows are read, not the 64."""
+    (kernel,) = kernels(GATHERS)
+    assert kernel.moved_bytes == 4 * 4 + 4 * 8 * 2 + 64 * 4 + 4 * 4, kernel  # result, 4 rows, both index arrays
+
+
 ROWS_UPDATE = """
 ENTRY %main (i: u32[16], k: pred[16], g: bf16[16,8], r: f32[1], w: bf16[1000,8], m: s8[1000,8], s: f32[1000,1]) -> (bf16[1000,8], s8[1000,8], f32[1000,1]) {
   %i = u32[16]{0} parameter(0)

@@ -118,8 +118,9 @@ def _rows_kernel_moved(line: str, operands: list[str], result_shape: str) -> int
 
 def _fusion_moved(body: list[str], result_shape: str) -> int:
     """Bytes a fusion reads and writes: each parameter whole, or only what its slices and gathers take (through
-    bitcasts and conversions); the result whole, or, where the fusion scatters into (or updates a slice of) a
-    parameter in place, just the update."""
+    bitcasts and conversions, and of a slice or gather only what is taken of it in turn: a fused gather of a
+    gathered tile's rows reads those rows alone); the result whole, or, where the fusion scatters into (or updates
+    a slice of) a parameter in place, just the update."""
     shapes, users, params, root = {}, collections.defaultdict(list), [], None
     for line in body:
         if not (match := _INSTRUCTION.match(line)):
@@ -140,7 +141,7 @@ def _fusion_moved(body: list[str], result_shape: str) -> int:
             if op in ("bitcast", "convert"):  # element for element: the part of it read, in this one's dtype
                 taken += read(user) * whole // max(_bytes(shape), 1)
             elif op in _PARTIAL_READS and operands[0] == name:
-                taken += _bytes(shape)
+                taken += read(user)
             else:
                 return whole
         return min(taken, whole)
