@@ -42,14 +42,16 @@ from jaxcls.plan import gpu_target  # noqa: E402
 from jaxcls.plan.kernels import kernels, moved_by_origin  # noqa: E402
 from jaxcls.run import build  # noqa: E402
 
+MARGIN_M = {"arcface": 0.5, "cosface": 0.4}  # the step's margin: arcface_torch's m for each (s = 64)
 FLOOR_KB = {"bfloat16": 5.0, "float32": 10.0}  # (2 reads + 1 write of the weight row + momentum read and write) / 1024
 
 
-def moved_bytes(fc_dtype: str, classes: int, batch: int, model: str, input_size: int, device, rounding="nearest"):
+def moved_bytes(fc_dtype: str, classes: int, batch: int, model: str, input_size: int, device, rounding="nearest",
+                margin="arcface"):
     """``(bytes the step's kernels read and write per JAX source line, sampled rows)`` at ``classes`` classes."""
     c = benchmark_config(model=model, num_classes=classes, fc_dtype=fc_dtype, precision="bfloat16", batch_size=batch,
-                         sample_rate=0.1, num_features=512, fc_weight_rounding=rounding,
-                         margin=dict(name="cosface", s=64.0, m=0.4, straight_through=False))
+                         sample_rate=0.1, num_features=512, fc_weight_rounding=rounding)
+    c.margin.name, c.margin.m = margin, MARGIN_M[margin]
     c.data.input_size = input_size
     if model == "r18":
         c.model_kwargs = dict(width=8)
@@ -91,6 +93,8 @@ def main():
     parser.add_argument("--fc-kernels", choices=FC_KERNELS, default=None, help=FC_KERNELS_HELP)
     parser.add_argument("--fc-weight-rounding", choices=["nearest", "stochastic"], default="nearest",
                         help="how a bfloat16 weight's updated rows are rounded (stochastic: bfloat16 only)")
+    parser.add_argument("--margin", choices=list(MARGIN_M), default="arcface",
+                        help="the step's margin (s = 64; the figures before 2026-11-28 were CosFace's)")
     parser.add_argument("--out", default="benchmarks/results/fc_bytes_per_row.json")
     args = parser.parse_args()
     args.classes = args.classes or ([65_536, 262_144] if args.small else [4_000_000, 16_000_000])
@@ -117,16 +121,17 @@ def per_row_rows(args, device) -> list[dict]:
     rounding = args.fc_weight_rounding
     for fc_dtype in args.fc_dtype or (["bfloat16"] if rounding == "stochastic" else list(FLOOR_KB)):
         (low, low_rows), (high, high_rows) = (moved_bytes(fc_dtype, c, args.batch, args.model, args.input_size, device,
-                                                          rounding) for c in args.classes)
+                                                          rounding, args.margin) for c in args.classes)
         per_row = {line: (high[line] - low[line]) / (high_rows - low_rows) for line in high | low}
-        rows.append({"fc_dtype": fc_dtype, "fc_weight_rounding": rounding, "model": args.model, "batch": args.batch,
+        rows.append({"fc_dtype": fc_dtype, "fc_weight_rounding": rounding, "margin": args.margin, "model": args.model,
+                     "batch": args.batch,
                      "classes": args.classes,
                      "sampled_rows": [low_rows, high_rows], "moved_bytes": [sum(low.values()), sum(high.values())],
                      "kb_per_sampled_row": sum(per_row.values()) / 1024, "floor_kb": FLOOR_KB[fc_dtype],
                      "bytes_per_row_by_line": dict(sorted(((k, v) for k, v in per_row.items() if abs(v) >= 64),
                                                           key=lambda kv: -kv[1]))})
         print(rows[-1], flush=True)
-    print_table(rows, ["fc_dtype", "model", "batch", "sampled_rows", "kb_per_sampled_row", "floor_kb"])
+    print_table(rows, ["fc_dtype", "margin", "model", "batch", "sampled_rows", "kb_per_sampled_row", "floor_kb"])
     return rows
 
 

@@ -16,7 +16,8 @@ last tile is shifted back to stay in bounds and overlaps its predecessor; ``tile
   combine_stats`` then makes the global log-sum-exp with one ``pmax`` and two ``psum``;
 * ``tile_grad_parts``: given that log-sum-exp, one tile's gradients w.r.t. ``e_n`` and the tile's rows, the rows'
   left in two parts for an update to combine (``row_gradient``); ``cosine_grads``, the part of it that the kernels
-  of ``jaxcls.losses.rows_backward`` recompute on chip.
+  of ``jaxcls.losses.rows_backward`` recompute on chip, with the margin taken at each embedding's target cosine
+  (``target_cosines``) where XLA forms it.
 
 Outside ``shard_map``: ``check_inputs`` (shapes, sharding, labels, before any work), ``validate_labels``,
 ``full_row_classes`` (row ``r`` of the full weight is class ``r``) and ``l2_normalize``.
@@ -218,12 +219,14 @@ def _tile_cosines_bwd(residuals, d_cos):
 tile_cosines.defvjp(_tile_cosines_fwd, _tile_cosines_bwd)
 
 
-def margin_logits(cos, where: TileColumns, margin: CombinedMargin):
+def margin_logits(cos, where: TileColumns, margin: CombinedMargin, target=None):
     """``tile_logits`` from the tile's cosines ``[N, T]``: columns compared as ``[T]`` and ``[N]`` vectors (no
     ``[N, T]`` index array), the margin's target logit computed elementwise and selected (no ``[N]`` pick whose
-    gradient scatters into an ``[N, T]`` array)."""
+    gradient scatters into an ``[N, T]`` array), or given as ``target`` (broadcast to ``[N, T]``; ``cosine_grads``
+    gives one per embedding, ``[N, 1]``)."""
     is_target = where.columns[None, :] == where.rel[:, None]
-    logits = jnp.where(is_target, margin.target_logit(cos), margin.logits(cos))
+    target = margin.target_logit(cos) if target is None else target
+    logits = jnp.where(is_target, target, margin.logits(cos))
     return jnp.where(where.kept[None, :], logits, masked_fill_value(jnp.float32))
 
 
@@ -287,19 +290,39 @@ def tile_grad_parts(e_n, w_tile, where: TileColumns, margin: CombinedMargin, lse
     float32, the derivative of the norm (a projection: the row gradient has no component along the row).
     """
     w32, squares, inverse = row_norms(w_tile)
-    products, pull_products = jax.vjp(cosines, e_n, w32.astype(e_n.dtype))
-    d_products, d_inverse = cosine_grads(products, inverse, where, margin, lse, g)
+    rows = w32.astype(e_n.dtype)
+    products, pull_products = jax.vjp(cosines, e_n, rows)
+    target_cos = target_cosines(e_n, rows, inverse, where)
+    d_products, d_inverse = cosine_grads(products, inverse, where, margin, lse, g, target_cos)
     d_e, product = pull_products(d_products)
     return d_e, product, radial_part(d_inverse, inverse, squares)
 
 
-def cosine_grads(products, inverse, where: TileColumns, margin: CombinedMargin, lse, g):
+def cosine_grads(products, inverse, where: TileColumns, margin: CombinedMargin, lse, g, target_cos=None):
     """Gradients of ``Σ_n g[n]·loss[n]`` (given the global log-sum-exp ``lse`` ``[N]``) w.r.t. a tile's unscaled
-    products ``e_n · w`` ``[N, T]`` and its rows' inverse norms ``[T]`` (summed over the batch), float32."""
-    logits, pull = jax.vjp(lambda p, r: margin_logits(p * r[None, :], where, margin), products, inverse)
-    is_target = where.columns[None, :] == where.rel[:, None]
+    products ``e_n · w`` ``[N, T]`` and its rows' inverse norms ``[T]`` (summed over the batch), float32.
+
+    The margin's target logit and its slope come from ``target_cos`` ``[N]`` (each row's target cosine, read where
+    the tile holds the target), so that the ``[N, T]`` pass is plain ``s·cos`` and XLA fuses it into the reduction
+    and the rounding that read it (an ArcFace or SphereFace margin evaluated at every element made XLA:GPU write
+    and re-read an ``[N, T]`` float32 array between them); without it, at every element (inside a kernel, on chip).
+    """
     # autodiff sums each row's part over the batch and over the mesh axes where the rows are replicated
-    return pull((jnp.exp(logits - lse[:, None]) - is_target.astype(jnp.float32)) * g[:, None])
+    cos, pull = jax.vjp(lambda p, r: p * r[None, :], products, inverse)
+    is_target = where.columns[None, :] == where.rel[:, None]
+    at = cos if target_cos is None else target_cos[:, None]
+    target, slope = jax.jvp(margin.target_logit, (at,), (jnp.ones_like(at),))
+    logits = margin_logits(cos, where, margin, target)
+    d_logits = (jnp.exp(logits - lse[:, None]) - is_target.astype(jnp.float32)) * g[:, None]
+    return pull(jnp.where(where.kept[None, :], d_logits * jnp.where(is_target, slope, margin.s), 0.0))
+
+
+def target_cosines(e_n, rows, inverse, where: TileColumns):
+    """Each embedding's cosine ``[N]`` float32 with its target's row in the tile (``where.rel``; anything where the
+    tile has none), from the rows as ``cosines`` multiplies them (``[T, D]`` in ``e_n``'s dtype; products summed in
+    float32) and their inverse norms ``[T]``."""
+    at = jnp.maximum(where.rel, 0)
+    return jnp.sum(e_n.astype(jnp.float32) * rows[at].astype(jnp.float32), axis=-1) * inverse[at]
 
 
 def row_norms(w_tile):
