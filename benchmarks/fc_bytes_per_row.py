@@ -5,9 +5,9 @@
     python benchmarks/fc_bytes_per_row.py --small         # 64k and 256k classes, a quick look
     python benchmarks/fc_bytes_per_row.py --fc-dtype bfloat16 --fc-kernels pallas   # what the tests run
 
-The train step (batch 128 or ``--batch``, PartialFC 0.1, D = 512, bfloat16 compute, SGD with momentum) is
-compiled for one H100 (``jaxcls.plan.gpu_target``) at two class counts; the bytes its kernels read and write
-(``jaxcls.plan.kernels``) differ by what the extra sampled rows cost, so their difference over the difference in
+The train step (ArcFace or ``--margin``, batch 128 or ``--batch``, PartialFC 0.1, D = 512, bfloat16 compute, SGD with
+momentum) is compiled for one H100 (``jaxcls.plan.gpu_target``) at two class counts; the bytes its kernels read and
+write (``jaxcls.plan.kernels``) differ by what the extra sampled rows cost, so their difference over the difference in
 sampled rows is the FC path's traffic per sampled row, whatever the backbone (a narrow IResNet-18 at 32 px here, for
 a fast compile). The floor: each sampled row read twice (statistics, then gradient) and written once, with its
 momentum read and written once: 5 KB a row in bfloat16, 10 KB in float32.
@@ -94,7 +94,8 @@ def main():
     parser.add_argument("--fc-weight-rounding", choices=["nearest", "stochastic"], default="nearest",
                         help="how a bfloat16 weight's updated rows are rounded (stochastic: bfloat16 only)")
     parser.add_argument("--margin", choices=list(MARGIN_M), default="arcface",
-                        help="the step's margin (s = 64; the figures before 2026-11-28 were CosFace's)")
+                        help="the step's margin (s = 64; the per-row figures before 2026-11-28 were CosFace's); "
+                        "--loss-alone always runs ArcFace, as benchmarks/loss.py does")
     parser.add_argument("--out", default="benchmarks/results/fc_bytes_per_row.json")
     args = parser.parse_args()
     args.classes = args.classes or ([65_536, 262_144] if args.small else [4_000_000, 16_000_000])

@@ -153,13 +153,12 @@ def test_the_fc_rows_are_read_by_index_and_updated_by_kernels_that_touch_each_on
 @pytest.mark.gpu_target
 def test_the_update_kernel_alone_updates_the_rows_in_place_after_xlas_gemms():
     """By default on a GPU (rows_backward.KERNEL_ON_CUDA, GEMMS_IN_KERNELS off: ``--fc-kernels pallas_update``), the
-    statistics are rows_stats' kernel, XLA's GEMMs form the embeddings' and
-    the rows' gradients from one gathered copy of the weight's rows, and rows_update, once per tile, reads the rows
-    and their momentum by index and writes them in place: no scatter and no gathered momentum in the tile loops
-    (XLA's form gathers both and scatters each, re-reading the gathered rows: 18.1 KB a sampled row at batch 128,
-    D = 512, bfloat16, against this form's 13.1; benchmarks/fc_bytes_per_row.py). Its gather and GEMMs are XLA's
-    form's, whose temporaries test_the_fc_update_is_in_place_and_no_collective_grows_with_the_classes holds to the
-    class count."""
+    statistics are rows_stats' kernel, XLA's GEMMs form the embeddings' and the rows' gradients from one gathered
+    copy of the weight's rows, and rows_update, once per tile, reads the rows and their momentum by index and writes
+    them in place: no scatter and no gathered momentum in the tile loops (XLA's form gathers both and scatters each,
+    re-reading the gathered rows: 18.1 KB a sampled row at batch 128, D = 512, bfloat16, against this form's 13.1,
+    with CosFace; benchmarks/fc_bytes_per_row.py --margin cosface). Its gather and GEMMs are XLA's form's, whose
+    temporaries test_the_fc_update_is_in_place_and_no_collective_grows_with_the_classes holds to the class count."""
     text = compiled_at(ROWS[0])[1].as_text()
     found = kernels(text)
     assert_once_per_tile_and_in_place(text, found, ("rows_stats", "rows_update"))
@@ -178,21 +177,6 @@ def test_the_update_kernel_alone_updates_the_rows_in_place_after_xlas_gemms():
 @COMPILED_AT
 @pytest.mark.slow
 @pytest.mark.gpu_target
-def test_the_margins_gradient_is_one_pass_over_the_tiles_cosines():
-    """ArcFace's target logit, evaluated at every element of a tile's ``[N, T]`` cosines, kept XLA:GPU from fusing the
-    cosines' gradient into the pass that rounds it for the GEMMs and sums it over the batch: the backward wrote it as a
-    float32 ``[N, T]`` array and read it back (1.4 KB a sampled row at batch 128, 5.9 at 512, bfloat16,
-    benchmarks/fc_bytes_per_row.py). Taken at each embedding's target cosine (``tiles.cosine_grads``' ``target_cos``),
-    the margin leaves one float32 ``[N, T]`` array a tile: the cosines the GEMM recomputes."""
-    text = compiled_at(ROWS[0])[1].as_text()
-    tile = 32 * 1024 * 4  # the global batch's cosines with chunk_size rows, float32
-    written = [k.name for k in kernels(text) if k.count > 1 and k.dtype == "f32" and k.result_bytes == tile]
-    assert len(written) == 1 and "gemm" in written[0], written
-
-
-@COMPILED_AT
-@pytest.mark.slow
-@pytest.mark.gpu_target
 def test_the_fc_backward_on_a_gpu_takes_xlas_form_where_forced():
     """``--fc-kernels xla`` (jaxcls.bench.fc_kernels): the statistics and the backward in XLA's form, which scatters
     the updated rows, no kernel."""
@@ -206,13 +190,14 @@ def test_the_fc_backward_on_a_gpu_takes_xlas_form_where_forced():
 @pytest.mark.gpu_target
 def test_the_fc_path_moves_at_most_8_kb_per_sampled_row(tmp_path):
     """benchmarks/fc_bytes_per_row.py, run as a user runs it, for a bfloat16 FC state at batch 128, D = 512 on one
-    H100: 6.7 KB per sampled row, the goal 8 and the floor 5 (28.8 before the loss scaled its cosines by inverse
-    norms, selected the margin's target logit elementwise and took its softmax statistics in one reduction: 20.9;
-    then the rows update became one kernel: 16.0; then the statistics pass: 13.1; then the backward two kernels that
-    recompute the cosines from the rows read by index, the update forming the rows' gradient on chip). The script's
-    only test: its JSON holds what test_benchmarks asks of every script's."""
+    H100: 6.7 KB per sampled row, the goal 8 and the floor 5 (counted with CosFace until 2026-11-28: 28.8 before the
+    loss scaled its cosines by inverse norms, selected the margin's target logit elementwise and took its softmax
+    statistics in one reduction: 20.9; then the rows update became one kernel: 16.0; then the statistics pass: 13.1;
+    then the backward two kernels that recompute the cosines from the rows read by index, the update forming the
+    rows' gradient on chip). The script's only test: its JSON holds what test_benchmarks asks of every script's."""
     out = tmp_path / "bytes.json"
-    # the looped kernels' count (the default GPU form, the update kernel after XLA's GEMMs, moves 13.1 KB; XLA's 18.1)
+    # the looped kernels' count (the default GPU form, the update kernel after XLA's GEMMs, moves 13.2 KB; XLA's 18.1
+    # with CosFace)
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fc_bytes_per_row.py"), "--fc-dtype", "bfloat16",
                            "--fc-kernels", "pallas", "--out", str(out)], cwd=ROOT, env=script_env(),
                           capture_output=True, text=True, timeout=600)
@@ -261,6 +246,35 @@ def test_the_whole_loss_keeps_no_float32_products_for_its_backward():
     assert compiled.memory_analysis().temp_size_in_bytes < 2.25 * n * c * 4
 
 
+CHUNKED_LOSS = pytest.mark.xdist_group("chunked_loss")  # the tests that read chunked_loss's program: one worker
+
+
+@functools.cache
+def chunked_loss() -> str:
+    """The HLO of sharded_margin_loss with ArcFace in chunks of 131,072 rows (C = 1M, N = 512, D = 512, float32
+    weight, bfloat16 embeddings) compiled for an H100 (benchmarks/fc_bytes_per_row.py --loss-alone's)."""
+    device = gpu_target.gpu_devices("h100", 1)[0]
+    return benchmark("fc_bytes_per_row").compiled_loss_alone(512, 1 << 20, 131_072, device).as_text()
+
+
+@CHUNKED_LOSS
+@pytest.mark.gpu_target
+def test_the_margins_gradient_is_one_pass_over_the_tiles_cosines():
+    """ArcFace's target logit, evaluated at every element of a tile's ``[N, T]`` cosines, kept XLA:GPU from fusing the
+    cosines' gradient into the pass that rounds it for the GEMMs and sums it over the batch: the backward wrote it as a
+    float32 ``[N, T]`` array and read it back (6 of the chunked loss's 28.7 GiB; in the step 1.5 KB a sampled row at
+    batch 128, 5.9 at 512, bfloat16, benchmarks/fc_bytes_per_row.py). Taken at each embedding's target cosine
+    (``tiles.cosine_grads``' ``target_cos``), the margin leaves one float32 ``[N, T]`` array a tile among all the
+    results of the tile loop's kernels: the cosines the GEMM recomputes. (At the tiny sizes of ``compiled_at`` XLA
+    fuses otherwise: it writes the batch's terms of the sum for a reduction of their own.)"""
+    text = chunked_loss()
+    results = dict(re.findall(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\([^=]*?\)|\S+)\s", text, re.M))
+    tile = re.compile(r"f32\[512,131072\]")
+    written = [(k.name, k.kind) for k in kernels(text) if k.count > 1 and tile.search(results.get(k.name, ""))]
+    assert len(written) == 1 and written[0][1] == "GEMM", written
+
+
+@CHUNKED_LOSS
 @pytest.mark.gpu_target
 def test_the_chunked_loss_never_reads_back_the_gradient_it_fills():
     """sharded_margin_loss with ArcFace in chunks of 131,072 rows (C = 1M, N = 512, D = 512, float32 weight, XLA's
@@ -268,9 +282,7 @@ def test_the_chunked_loss_never_reads_back_the_gradient_it_fills():
     in the update kernel's form, which reads back the rows a tile does not keep; 28.7 with the margin evaluated at
     every element of each tile's cosines (their gradient written as a float32 [N, T] array and read back); 34.7 when
     each tile's scatter of the weight's gradient selected between the new rows and the old ones it read back."""
-    device = gpu_target.gpu_devices("h100", 1)[0]
-    compiled = benchmark("fc_bytes_per_row").compiled_loss_alone(512, 1 << 20, 131_072, device)
-    text = compiled.as_text()
+    text = chunked_loss()
     assert 'name = "rows_update"' not in text
     moved = sum(k.moved_bytes * k.count for k in kernels(text))
     assert moved < 23.5 * 2**30, moved / 2**30

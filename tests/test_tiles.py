@@ -176,3 +176,34 @@ def test_both_forms_of_the_tile_statistics_equal_float64(stats, rng):
     np.testing.assert_array_equal(high, want_high.astype(np.float32))
     np.testing.assert_allclose(total, want_total, rtol=1e-5)
     np.testing.assert_allclose(target_logit, picked.astype(np.float64).sum(axis=1), rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("margin", list(MARGINS))
+def test_the_margin_at_each_target_gives_the_elementwise_gradients(margin, rng):
+    """``cosine_grads`` with the margin taken at each embedding's target cosine (``target_cos``, as XLA's form runs
+    it) equals the margin at every element (the kernels' form), for targets at ±1, beyond 1 and on both sides of the
+    threshold angle; a row whose target is not in the tile ignores its ``target_cos`` (NaN here), and columns not kept
+    get no gradient."""
+    margin = MARGINS[margin]
+    n, t = 8, 12
+    threshold = margin.threshold_cos
+    target_values = np.float32([1.0, -1.0, 1.0000001, threshold + 1e-3, threshold - 1e-3, 0.3, -0.2])
+    cos = rng.uniform(-1.0, 1.0, size=(n, t)).astype(np.float32)
+    rel = rng.permutation(t)[:n].astype(np.int32)
+    rel[-1] = -1  # its class lives in another tile
+    cos[np.arange(n - 1), rel[:-1]] = target_values
+    inverse = rng.uniform(0.5, 2.0, size=t).astype(np.float32)
+    products = cos / inverse[None, :]
+    kept = rng.uniform(size=t) < 0.7
+    kept[rel[:-1]] = True
+    where = tiles.TileColumns(jnp.asarray(rel), jnp.arange(t, dtype=jnp.int32), jnp.asarray(kept))
+    logits = np.asarray(tiles.margin_logits(jnp.asarray(cos), where, margin))  # this tile's; others add to the lse
+    lse = (np.log(np.sum(np.exp(logits - logits.max(1, keepdims=True)), 1)) + logits.max(1)
+           + rng.uniform(0.0, 3.0, size=n)).astype(np.float32)
+    g = rng.uniform(0.5, 2.0, size=n).astype(np.float32)
+    target_cos = np.where(rel >= 0, (products * inverse[None, :])[np.arange(n), np.maximum(rel, 0)], np.nan)
+    grads = jax.jit(lambda tc: tiles.cosine_grads(products, inverse, where, margin, lse, g, tc))
+    each_target, every_element = grads(target_cos.astype(np.float32)), grads(None)
+    for a, b in zip(each_target, every_element):  # the same operations: equal up to how XLA orders the batch's sum
+        assert np.all(np.isfinite(a)) and rel_err(a, b) < 1e-6, rel_err(a, b)
+    assert np.all(np.asarray(each_target[0])[:, ~kept] == 0)

@@ -110,7 +110,7 @@ def tile_backward(arrays: tuple, index, where: tiles.TileColumns, e_n, lse, g, m
         # gradient is a sum over those devices, which autodiff forms in XLA's form and no kernel sees
         return xla(*args)
     # a gradient written (reads > 0, the loss's backward) keeps XLA's form on GPUs: the kernel reads back the rows a
-    # tile does not keep, which XLA's scatter drops (compiled for an H100: 30.7 GiB at C = 1M, N = 512, against 28.7)
+    # tile does not keep, which XLA's scatter drops (compiled for an H100: 24.7 GiB at C = 1M, N = 512, against 22.7)
     return run(_FORM, partial(_pallas_form, margin=margin, rule=rule, reads=reads, gathered=gathered), xla, *args,
                kernel_on_cuda=KERNEL_ON_CUDA and not reads)
 
@@ -133,13 +133,13 @@ def _xla_update(arrays, index, row_grad, keep, scalars, rule, reads):
         # rows not kept go to distinct indices past the end, which the scatter drops: outputs filled tile by tile never
         # hold them (a select would read each tile's old rows of the outputs for them), and XLA:GPU fuses the update
         # of a float32 weight and momentum into these scatters better than a select (28.9 KB a sampled row against
-        # 32.8 at batch 128, D = 512; 34.4 against 38.3 at 512: benchmarks/fc_bytes_per_row.py)
+        # 32.8 at batch 128, D = 512; 34.4 against 38.3 at 512: benchmarks/fc_bytes_per_row.py --margin cosface)
         target = jnp.where(keep, index, arrays[0].shape[0] + jnp.arange(index.shape[0], dtype=index.dtype))
         return arrays[:reads] + tuple(a.at[target].set(n, mode="drop", unique_indices=True)
                                       for a, n in zip(arrays[reads:], new))
     # 16-bit rows (or their bits, on CPU) updated in place: the rule read the old rows, and the select of old and new
     # fuses into the scatters, 2.0 KB a sampled row less than dropping with a bfloat16 weight and momentum (18.1 KB
-    # against 20.0 at batch 128, 23.5 against 25.5 at 512)
+    # against 20.0 at batch 128, 23.5 against 25.5 at 512, CosFace)
     return tuple(a.at[index].set(jnp.where(keep[:, None], n, o), unique_indices=True)
                  for a, n, o in zip(arrays, new, old))  # (reads is 0)
 

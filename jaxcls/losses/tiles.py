@@ -319,8 +319,10 @@ def cosine_grads(products, inverse, where: TileColumns, margin: CombinedMargin, 
 
 def target_cosines(e_n, rows, inverse, where: TileColumns):
     """Each embedding's cosine ``[N]`` float32 with its target's row in the tile (``where.rel``; anything where the
-    tile has none), from the rows as ``cosines`` multiplies them (``[T, D]`` in ``e_n``'s dtype; products summed in
-    float32) and their inverse norms ``[T]``."""
+    tile has none), from the operands ``cosines`` multiplies (the rows ``[T, D]`` in ``e_n``'s dtype) and the rows'
+    inverse norms ``[T]``: the same products, summed in float32 in another order than the GEMM's (and, with
+    float32 operands, unrounded where a GPU's GEMM may round them to TF32: the two then differ by that rounding, as
+    the forward's statistics and the backward's GEMM already may)."""
     at = jnp.maximum(where.rel, 0)
     return jnp.sum(e_n.astype(jnp.float32) * rows[at].astype(jnp.float32), axis=-1) * inverse[at]
 
