@@ -302,7 +302,7 @@ def cosine_grads(products, inverse, where: TileColumns, margin: CombinedMargin, 
     """Gradients of ``Σ_n g[n]·loss[n]`` (given the global log-sum-exp ``lse`` ``[N]``) w.r.t. a tile's unscaled
     products ``e_n · w`` ``[N, T]`` and its rows' inverse norms ``[T]`` (summed over the batch), float32.
 
-    The margin's target logit and its slope come from ``target_cos`` ``[N]`` (each row's target cosine, read where
+    The margin's target logit and its slope come from ``target_cos`` ``[N]`` (each embedding's target cosine, where
     the tile holds the target), so that the ``[N, T]`` pass is plain ``s·cos`` and XLA fuses it into the reduction
     and the rounding that read it (an ArcFace or SphereFace margin evaluated at every element made XLA:GPU write
     and re-read an ``[N, T]`` float32 array between them); without it, at every element (inside a kernel, on chip).
