@@ -267,10 +267,8 @@ def test_the_margins_gradient_is_one_pass_over_the_tiles_cosines():
     (``tiles.cosine_grads``' ``target_cos``), the margin leaves one float32 ``[N, T]`` array a tile among all the
     results of the tile loop's kernels: the cosines the GEMM recomputes. (At the tiny sizes of ``compiled_at`` XLA
     fuses otherwise: it writes the batch's terms of the sum for a reduction of their own.)"""
-    text = chunked_loss()
-    results = dict(re.findall(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\([^=]*?\)|\S+)\s", text, re.M))
-    tile = re.compile(r"f32\[512,131072\]")
-    written = [(k.name, k.kind) for k in kernels(text) if k.count > 1 and tile.search(results.get(k.name, ""))]
+    tile = ("f32", 512 * 131_072)
+    written = [(k.name, k.kind) for k in kernels(chunked_loss()) if k.count > 1 and tile in k.results]
     assert len(written) == 1 and written[0][1] == "GEMM", written
 
 

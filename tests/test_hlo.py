@@ -197,6 +197,7 @@ def test_the_rows_update_kernel_counts_its_index_rows_of_the_arrays_it_updates_i
     inputs = 16 * 4 + 16 + 16 * 8 * 2 + 4  # index, keep, gradient part, scalar: whole
     rows = 2 * 16 * (8 * 2 + 8 + 4)  # weight, int8 momentum and its scales: the index's rows, read and written
     assert kernel.moved_bytes == inputs + rows, kernel
+    assert kernel.results == (("bf16", 8000), ("s8", 8000), ("f32", 1000))  # each result of the tuple
 
 
 def test_moved_bytes_add_up_per_kind_and_source_line_with_gradients_marked():

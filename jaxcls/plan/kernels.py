@@ -16,7 +16,8 @@ class Kernel(NamedTuple):
     """One instruction that the GPU runs as its own kernel (or library call): ``kind`` (``KERNEL_KINDS``), its
     name, the dtype and bytes of its (first) result, how many times one run executes it, for library calls
     what was called (cuDNN target, layout and any ``feature_group_count``), the bytes it reads and writes per
-    execution, and the JAX operation it came from (``origins``).
+    execution, the JAX operation it came from (``origins``), and ``(dtype, elements)`` of each of its results
+    (``jaxcls.plan.hlo.arrays``: a multi-output fusion's all).
 
     ``moved_bytes`` is what a memory-bound kernel reads and writes: a fusion's parameters whole or what its
     slices and gathers take of them, its result whole or, updated in place, the update; other kernels their
@@ -30,6 +31,7 @@ class Kernel(NamedTuple):
     detail: str = ""
     moved_bytes: int = 0
     origin: str = ""
+    results: tuple[tuple[str, int], ...] = ()
 
 
 KERNEL_KINDS = ("cuDNN convolution", "GEMM", "fusion", "copy/transpose", "collective", "sort", "other")
@@ -194,7 +196,8 @@ def kernels(hlo_text: str) -> list[Kernel]:
             if not match or match.group(3) in _NOT_KERNELS or match.group(3).endswith("-done"):
                 continue
             name, shape, op = match.groups()
-            dtype, elements = (arrays(shape) or [("", 0)])[0]
+            results = tuple(arrays(shape))
+            dtype, elements = (results or (("", 0),))[0]
             size = elements * DTYPE_BYTES.get(dtype, 0)
             detail = " ".join(m.group(1) for m in (re.search(r'custom_call_target="([^"]*)"', line),
                                                     re.search(r"dim_labels=([^,]+)", line),
@@ -205,7 +208,7 @@ def kernels(hlo_text: str) -> list[Kernel]:
                      _rows_kernel_moved(line, operands, shape) if 'name = "rows_' in line else
                      _bytes(shape) + sum(map(_bytes, operands)))
             found.append(Kernel(_kernel_kind(op, name, line), name, dtype, size, executions.get(computation, 1),
-                                detail, moved, origin.get(name, "")))
+                                detail, moved, origin.get(name, ""), results))
     return found
 
 
