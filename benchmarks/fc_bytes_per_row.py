@@ -125,8 +125,7 @@ def per_row_rows(args, device) -> list[dict]:
                                                           rounding, args.margin) for c in args.classes)
         per_row = {line: (high[line] - low[line]) / (high_rows - low_rows) for line in high | low}
         rows.append({"fc_dtype": fc_dtype, "fc_weight_rounding": rounding, "margin": args.margin, "model": args.model,
-                     "batch": args.batch,
-                     "classes": args.classes,
+                     "batch": args.batch, "classes": args.classes,
                      "sampled_rows": [low_rows, high_rows], "moved_bytes": [sum(low.values()), sum(high.values())],
                      "kb_per_sampled_row": sum(per_row.values()) / 1024, "floor_kb": FLOOR_KB[fc_dtype],
                      "bytes_per_row_by_line": dict(sorted(((k, v) for k, v in per_row.items() if abs(v) >= 64),
