@@ -24,7 +24,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxcls.losses import rows_backward, rows_stats, tiles
-from jaxcls.losses.cross_entropy import class_parallel_cross_entropy, combine_stats
+from jaxcls.losses.cross_entropy import combine_stats
 from jaxcls.losses.margins import CombinedMargin
 from jaxcls.mesh import (
     BATCH,
@@ -117,14 +117,41 @@ def _per_shard_loss(embeddings, weight, labels, row_classes, *, margin, class_ax
     targets = tiles.local_rows_of(lax.all_gather(labels, class_axes, tiled=True), row_classes)
     row_valid = row_classes < num_classes
     if chunk_size is None or chunk_size >= weight.shape[0]:
-        logits, rel = tiles.tile_logits(e_n, weight, targets, row_valid, 0, 0, margin)
-        losses = class_parallel_cross_entropy(logits, rel, class_axes)
+        losses = _whole_cross_entropy(e_n, weight, targets, row_valid, margin, class_axes)
     else:
         losses = _chunked_cross_entropy(e_n, weight, targets, row_valid, margin, class_axes, chunk_size, grad_dtype)
     total = jnp.sum(losses)
     if replica_axes:
         total = lax.psum(total, replica_axes)
     return total / global_batch
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _whole_cross_entropy(e_n, weight, targets, row_valid, margin, axis_name):
+    """Per-example losses ``[N]`` from all ``[N, R_local]`` cosines at once. The forward keeps the GEMM's products
+    ``e_n · w`` ``[N, R_local]`` float32 for the backward, which forms every gradient from them in one pass
+    (``tiles.tile_grad_parts``), where autodiff wrote and re-read the logits, their gradient and the margin's."""
+    return _whole_forward(e_n, weight, targets, row_valid, margin, axis_name)[0]
+
+
+def _whole_forward(e_n, weight, targets, row_valid, margin, axis_name):
+    where = tiles.tile_columns(targets, row_valid, 0, 0)
+    w32, _, inverse = tiles.row_norms(weight)
+    rows = w32.astype(e_n.dtype)
+    products = tiles.cosines(e_n, rows)
+    stats = tiles.statistics_of_cosines(products * inverse[None, :], where, margin,
+                                        target_cos=tiles.target_cosines(e_n, rows, inverse, where))
+    lse, loss = combine_stats(*stats, axis_name)
+    return loss, (e_n, weight, where, products, lse)
+
+
+def _whole_backward(margin, axis_name, residuals, g):
+    e_n, weight, where, products, lse = residuals
+    d_e, *row_grad = tiles.tile_grad_parts(e_n, weight, where, margin, lse, g, products)
+    return d_e, tiles.row_gradient(weight, *row_grad).astype(weight.dtype), None, None
+
+
+_whole_cross_entropy.defvjp(_whole_forward, _whole_backward)
 
 
 def _tile(weight, targets, row_valid, i, chunk_size, dtype):

@@ -8,9 +8,9 @@ last tile is shifted back to stay in bounds and overlaps its predecessor; ``tile
 
 * ``tile_columns``: where a tile's columns stand (``TileColumns``: each target's column, each column's number, the
   columns the tile owns that are real classes);
-* ``tile_logits``: the margin logits ``[N, T]`` of one tile, non-owned and padding columns filled; the rows are
-  read as stored (their products with ``e_n`` scaled by each row's ``inverse_norms``) and nothing ``[N, T]`` but
-  the cosines and logits is made, so that XLA keeps the per-row traffic low (``benchmarks/fc_bytes_per_row.py``);
+* ``margin_logits``: the margin logits ``[N, T]`` of one tile's cosines (``tile_cosines``: the rows read as stored,
+  their products with ``e_n`` scaled by each row's ``inverse_norms``), non-owned and padding columns filled, and
+  nothing ``[N, T]`` made but them, so that XLA keeps the per-row traffic low (``benchmarks/fc_bytes_per_row.py``);
 * ``online_stats``: running max / sum of exp / target logit ``[N]`` over all tiles, one tile's at a time
   (``tile_statistics``, or ``jaxcls.losses.rows_stats``' kernel; ``merge_stats`` combines two); ``cross_entropy.
   combine_stats`` then makes the global log-sum-exp with one ``pmax`` and two ``psum``;
@@ -182,45 +182,16 @@ def tile_columns(targets, valid, first, owned) -> TileColumns:
     return TileColumns(rel.astype(jnp.int32), columns, valid & (columns >= owned - first))
 
 
-def tile_logits(e_n, w_tile, targets, valid, first, owned, margin: CombinedMargin):
-    """Margin logits ``[N, T]`` float32 of the tile of rows ``w_tile`` ``[T, D]`` (as stored, not normalized: the
-    cosines are ``(e_n · w_t) / ‖w_t‖``) starting at local row ``first``.
-
-    ``valid`` ``[T]`` marks real classes; rows before ``owned`` (overlap with the previous tile) and invalid
-    ones get the fill value (exp → 0). Returns ``(logits, each target's column in the tile or -1)``.
-    """
-    where = tile_columns(targets, valid, first, owned)
-    return margin_logits(tile_cosines(e_n, w_tile), where, margin), where.rel
-
-
-@jax.custom_vjp
 def tile_cosines(e_n, w_tile):
     """``[N, T]`` float32 cosines of ``e_n`` with the rows as stored: their products times each row's inverse norm
-    ``[T]`` (no normalized ``[T, D]`` copy is written). Its gradient keeps no ``[N, T]`` array: the norm's part of
-    the rows' gradient comes from their product with the embeddings (``tile_grad_parts``' two parts)."""
+    ``[T]`` (no normalized ``[T, D]`` copy is written)."""
     w32, _, inverse = row_norms(w_tile)
     return cosines(e_n, w32.astype(e_n.dtype)) * inverse[None, :]
 
 
-def _tile_cosines_fwd(e_n, w_tile):
-    return tile_cosines(e_n, w_tile), (e_n, w_tile)
-
-
-def _tile_cosines_bwd(residuals, d_cos):
-    e_n, w_tile = residuals
-    w32, squares, inverse = row_norms(w_tile)
-    _, pull_products = jax.vjp(cosines, e_n, w32.astype(e_n.dtype))
-    d_e, product = pull_products(d_cos * inverse[None, :])
-    # ∂/∂r = Σ_n ∂/∂cos · (e_n · w) = (w · product) / r, with product = Σ_n ∂/∂cos · r · e_n: no [N, T] products kept
-    d_inverse = jnp.sum(w32 * product.astype(jnp.float32), axis=-1) / inverse
-    return d_e, row_gradient(w_tile, product, radial_part(d_inverse, inverse, squares)).astype(w_tile.dtype)
-
-
-tile_cosines.defvjp(_tile_cosines_fwd, _tile_cosines_bwd)
-
-
 def margin_logits(cos, where: TileColumns, margin: CombinedMargin, target=None):
-    """``tile_logits`` from the tile's cosines ``[N, T]``: columns compared as ``[T]`` and ``[N]`` vectors (no
+    """Margin logits ``[N, T]`` float32 of a tile's cosines ``[N, T]``, the columns the tile does not keep (overlap
+    with the previous tile, padding) filled (exp → 0): columns compared as ``[T]`` and ``[N]`` vectors (no
     ``[N, T]`` index array), the margin's target logit computed elementwise and selected (no ``[N]`` pick whose
     gradient scatters into an ``[N, T]`` array), or given as ``target`` (broadcast to ``[N, T]``; ``cosine_grads``
     gives one per embedding, ``[N, 1]``)."""
@@ -235,9 +206,12 @@ def tile_statistics(e_n, w_tile, where: TileColumns, margin: CombinedMargin):
     return statistics_of_cosines(tile_cosines(e_n, w_tile), where, margin)
 
 
-def statistics_of_cosines(cos, where: TileColumns, margin: CombinedMargin, reduce=None):
-    """``tile_statistics`` from the tile's cosines ``[N, T]``, reduced by ``reduce`` (default ``tile_stats``)."""
-    logits = margin_logits(cos, where, margin)
+def statistics_of_cosines(cos, where: TileColumns, margin: CombinedMargin, reduce=None, target_cos=None):
+    """``tile_statistics`` from the tile's cosines ``[N, T]``, reduced by ``reduce`` (default ``tile_stats``); the
+    margin at each embedding's target cosine ``target_cos`` ``[N]`` if given (as ``cosine_grads`` takes it), else at
+    every element."""
+    target = None if target_cos is None else margin.target_logit(target_cos)[:, None]
+    logits = margin_logits(cos, where, margin, target)
     picked = jnp.where(where.columns[None, :] == where.rel[:, None], logits, 0.0)
     return (reduce or tile_stats)(logits, picked)
 
@@ -280,10 +254,11 @@ def stats_in_separate_reads(logits, picked):
     return high, jnp.sum(jnp.exp(logits - high[:, None]), axis=1), jnp.sum(picked, axis=1)
 
 
-def tile_grad_parts(e_n, w_tile, where: TileColumns, margin: CombinedMargin, lse, g):
+def tile_grad_parts(e_n, w_tile, where: TileColumns, margin: CombinedMargin, lse, g, products=None):
     """Gradients of ``Σ_n g[n]·loss[n]`` through one tile, given the global log-sum-exp ``lse`` ``[N]``: ``(d e_n
     [N, D], product, radial)``, the gradient w.r.t. the rows (``w_tile`` ``[T, D]`` as stored) left in two parts,
     ``row_gradient(w_tile, product, radial)``, so that an update can form it where it reads the rows.
+    ``products``: the tile's ``cosines(e_n, rows)`` ``[N, T]`` where a forward kept them; recomputed if ``None``.
 
     ``cos = (e_n · w) · r`` with ``r = 1/‖w‖``: ``∂/∂w = product − radial·w``, where ``product = (∂/∂cos · r)ᵀ e_n``
     ``[T, D]`` (in ``e_n``'s dtype, as ``cosines`` multiplies) and ``radial = r³ Σ_n ∂/∂cos · (e_n · w)`` ``[T]``
@@ -291,10 +266,10 @@ def tile_grad_parts(e_n, w_tile, where: TileColumns, margin: CombinedMargin, lse
     """
     w32, squares, inverse = row_norms(w_tile)
     rows = w32.astype(e_n.dtype)
-    products, pull_products = jax.vjp(cosines, e_n, rows)
+    products = cosines(e_n, rows) if products is None else products
     target_cos = target_cosines(e_n, rows, inverse, where)
     d_products, d_inverse = cosine_grads(products, inverse, where, margin, lse, g, target_cos)
-    d_e, product = pull_products(d_products)
+    d_e, product = _cosines_bwd((e_n, rows), d_products)
     return d_e, product, radial_part(d_inverse, inverse, squares)
 
 
