@@ -136,11 +136,7 @@ def _whole_cross_entropy(e_n, weight, targets, row_valid, margin, axis_name):
 
 def _whole_forward(e_n, weight, targets, row_valid, margin, axis_name):
     where = tiles.tile_columns(targets, row_valid, 0, 0)
-    w32, _, inverse = tiles.row_norms(weight)
-    rows = w32.astype(e_n.dtype)
-    products = tiles.cosines(e_n, rows)
-    stats = tiles.statistics_of_cosines(products * inverse[None, :], where, margin,
-                                        target_cos=tiles.target_cosines(e_n, rows, inverse, where))
+    products, stats = tiles.products_and_statistics(e_n, weight, where, margin)
     lse, loss = combine_stats(*stats, axis_name)
     return loss, (e_n, weight, where, products, lse)
 

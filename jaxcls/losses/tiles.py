@@ -8,9 +8,10 @@ last tile is shifted back to stay in bounds and overlaps its predecessor; ``tile
 
 * ``tile_columns``: where a tile's columns stand (``TileColumns``: each target's column, each column's number, the
   columns the tile owns that are real classes);
-* ``margin_logits``: the margin logits ``[N, T]`` of one tile's cosines (``tile_cosines``: the rows read as stored,
-  their products with ``e_n`` scaled by each row's ``inverse_norms``), non-owned and padding columns filled, and
-  nothing ``[N, T]`` made but them, so that XLA keeps the per-row traffic low (``benchmarks/fc_bytes_per_row.py``);
+* ``margin_logits``: the margin logits ``[N, T]`` of one tile's cosines (the rows read as stored, their products
+  with ``e_n`` scaled by each row's ``inverse_norms``: ``products_and_statistics``), non-owned and padding columns
+  filled, and nothing ``[N, T]`` made but them, so that XLA keeps the per-row traffic low
+  (``benchmarks/fc_bytes_per_row.py``);
 * ``online_stats``: running max / sum of exp / target logit ``[N]`` over all tiles, one tile's at a time
   (``tile_statistics``, or ``jaxcls.losses.rows_stats``' kernel; ``merge_stats`` combines two); ``cross_entropy.
   combine_stats`` then makes the global log-sum-exp with one ``pmax`` and two ``psum``;
@@ -182,13 +183,6 @@ def tile_columns(targets, valid, first, owned) -> TileColumns:
     return TileColumns(rel.astype(jnp.int32), columns, valid & (columns >= owned - first))
 
 
-def tile_cosines(e_n, w_tile):
-    """``[N, T]`` float32 cosines of ``e_n`` with the rows as stored: their products times each row's inverse norm
-    ``[T]`` (no normalized ``[T, D]`` copy is written)."""
-    w32, _, inverse = row_norms(w_tile)
-    return cosines(e_n, w32.astype(e_n.dtype)) * inverse[None, :]
-
-
 def margin_logits(cos, where: TileColumns, margin: CombinedMargin, target=None):
     """Margin logits ``[N, T]`` float32 of a tile's cosines ``[N, T]``, the columns the tile does not keep (overlap
     with the previous tile, padding) filled (exp → 0): columns compared as ``[T]`` and ``[N]`` vectors (no
@@ -203,7 +197,21 @@ def margin_logits(cos, where: TileColumns, margin: CombinedMargin, target=None):
 
 def tile_statistics(e_n, w_tile, where: TileColumns, margin: CombinedMargin):
     """Softmax statistics ``(max, Σ exp(x − max), target logit)`` ``[N]`` float32 of one tile's margin logits."""
-    return statistics_of_cosines(tile_cosines(e_n, w_tile), where, margin)
+    return products_and_statistics(e_n, w_tile, where, margin)[1]
+
+
+def products_and_statistics(e_n, w_tile, where: TileColumns, margin: CombinedMargin):
+    """``(products, statistics)``: the tile's products ``e_n · w`` ``[N, T]`` float32 with its rows as stored (their
+    cosines times each row's inverse norm ``[T]``: no normalized ``[T, D]`` copy is written), and ``tile_statistics``
+    from them, the margin taken at each embedding's target cosine (``target_cosines``) so that the pass over the
+    ``[N, T]`` cosines is plain ``s·cos`` (evaluated at every element, ArcFace's margin made XLA:GPU write the
+    logits for the reduction to read)."""
+    w32, _, inverse = row_norms(w_tile)
+    rows = w32.astype(e_n.dtype)
+    products = cosines(e_n, rows)
+    statistics = statistics_of_cosines(products * inverse[None, :], where, margin,
+                                       target_cos=target_cosines(e_n, rows, inverse, where))
+    return products, statistics
 
 
 def statistics_of_cosines(cos, where: TileColumns, margin: CombinedMargin, reduce=None, target_cos=None):
