@@ -236,17 +236,21 @@ def test_the_row_kernels_compile_for_an_h100_at_full_size(optimizer, weight, sta
 
 
 @pytest.mark.gpu_target
-def test_the_whole_loss_keeps_one_float32_array_of_products_and_reads_it_twice():
+def test_the_whole_loss_writes_one_float32_array_of_products_and_moves_20_gib():
     """sharded_margin_loss without chunks (ArcFace, N = 512, C = 1M, D = 512, bfloat16 embeddings, float32 weight)
-    compiled for an H100: the forward keeps the GEMM's [N, C] float32 products, its only temporary of that size, and
-    the statistics and the backward each read it once: its kernels move 20.1 GiB. Autodiff of the margin logits and
+    compiled for an H100: the forward keeps the GEMM's [N, C] float32 products, the only float32 [N, C] array any of
+    its kernels writes and its only temporary of that size, and the statistics and the backward each read it once:
+    its kernels move 20.1 GiB. Autodiff of the margin logits and
     class_parallel_cross_entropy kept the logits and wrote their gradient and the margin's (29.1 GiB, 2.0 arrays of
     temporaries); with the margin's target logit evaluated at every element the forward wrote the logits for the
     statistics to read (24.1 GiB, 1.5 arrays)."""
     n, c = 512, 1 << 20
     compiled = benchmark("fc_bytes_per_row").compiled_loss_alone(n, c, None, gpu_target.gpu_devices("h100", 1)[0])
     assert compiled.memory_analysis().temp_size_in_bytes < 1.25 * n * c * 4
-    moved = sum(k.moved_bytes * k.count for k in kernels(compiled.as_text()))
+    program = kernels(compiled.as_text())
+    written = [k.kind for k in program if ("f32", n * c) in k.results]  # [C, D] has as many elements: D = N
+    assert sorted(written) == ["GEMM", "fusion"], written  # the products, then the rows' float32 gradient (an output)
+    moved = sum(k.moved_bytes * k.count for k in program)
     assert moved < 21 * 2**30, moved / 2**30
 
 

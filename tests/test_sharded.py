@@ -106,6 +106,25 @@ def test_class_only_layout_matches_reference(mesh_shape, chunk_size, rng):
     check_against_reference(emb, weight, labels, c, margin, result, tol=1e-5)
 
 
+@pytest.mark.parametrize("chunk_size", [None, 3])
+@pytest.mark.parametrize("weight_dtype", [jnp.bfloat16, jnp.float16], ids=str)
+def test_a_16_bit_weight_gets_its_float64_gradient_rounded_once(weight_dtype, chunk_size, rng):
+    """float32 compute on a bfloat16 or float16 weight (its values exact in float32): the loss and the embeddings'
+    gradient as with a float32 weight of those values, the weight's gradient in the weight's dtype within its
+    rounding (a relative error under the dtype's half ulp, 2^-9 or 2^-12)."""
+    mesh = make_mesh(2, 4)
+    emb, weight, labels, c = make_problem(rng, mesh, divisible=False)
+    weight = weight.astype(weight_dtype)
+    margin = MARGINS["arcface"]
+    loss, (g_emb, g_w) = loss_and_grads(emb, weight, labels, margin, mesh, c, chunk_size=chunk_size)
+    assert g_w.dtype == weight_dtype and g_emb.dtype == jnp.float32
+    ref_loss, (ref_g_emb, ref_g_w) = value_and_grads(emb, np.asarray(weight.astype(jnp.float32))[:c], labels, margin)
+    assert rel_err(loss, ref_loss) < 1e-5 and rel_err(g_emb, ref_g_emb) < 1e-5
+    half_ulp = 2.0 ** -(jnp.finfo(weight_dtype).nmant + 1)
+    assert rel_err(np.asarray(g_w.astype(jnp.float32))[:c], ref_g_w) < half_ulp
+    assert np.all(np.asarray(g_w.astype(jnp.float32))[c:] == 0)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("chunk_size", [None, 5])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])

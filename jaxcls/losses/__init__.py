@@ -1,6 +1,7 @@
 """Margin losses and the class-parallel softmax cross-entropy.
 
-``margins`` (the margin formulas) → ``cross_entropy`` (the inner op over a sharded class axis) → ``tiles``
+``margins`` (the margin formulas) → ``cross_entropy`` (softmax statistics over a sharded class axis, ``combine_stats``;
+``class_parallel_cross_entropy`` for logits of the user's own) → ``tiles``
 (the per-shard tile kernel) → ``kernel_forms``, ``rows_stats``, ``rows_backward`` (a tile straight from the rows
 picked by index: Pallas kernels on CUDA GPUs, XLA elsewhere; ``FCHead.step`` runs them too) → ``sharded``
 (``sharded_margin_loss``, the loss for user code). The layout
