@@ -151,8 +151,9 @@ def gradient_product_dtype(e_dtype):
     return jnp.dtype(jnp.float32 if e_dtype == jnp.float16 else e_dtype)
 
 
-def _cosines_bwd(residuals, g):
-    e_n, w_n = residuals
+def cosines_pullback(e_n, w_n, g):
+    """``cosines``' gradients ``(d e_n [N, D], d w_n [T, D])`` for the cotangent ``g`` ``[N, T]`` float32, multiplied
+    in ``gradient_product_dtype``: for a caller that holds the products already (``tile_grad_parts``)."""
     dtype = gradient_product_dtype(e_n.dtype)
     # autodiff of the product in `dtype` transposes it, summing over the mesh axes where an operand is replicated
     product = lambda e, w: jnp.dot(e, w.T, preferred_element_type=dtype)
@@ -161,7 +162,7 @@ def _cosines_bwd(residuals, g):
     return d_e.astype(e_n.dtype), d_w.astype(w_n.dtype)
 
 
-cosines.defvjp(_cosines_fwd, _cosines_bwd)
+cosines.defvjp(_cosines_fwd, lambda residuals, g: cosines_pullback(*residuals, g))
 
 
 class TileColumns(NamedTuple):
@@ -277,7 +278,7 @@ def tile_grad_parts(e_n, w_tile, where: TileColumns, margin: CombinedMargin, lse
     products = cosines(e_n, rows) if products is None else products
     target_cos = target_cosines(e_n, rows, inverse, where)
     d_products, d_inverse = cosine_grads(products, inverse, where, margin, lse, g, target_cos)
-    d_e, product = _cosines_bwd((e_n, rows), d_products)
+    d_e, product = cosines_pullback(e_n, rows, d_products)
     return d_e, product, radial_part(d_inverse, inverse, squares)
 
 
