@@ -207,12 +207,18 @@ def products_and_statistics(e_n, w_tile, where: TileColumns, margin: CombinedMar
     from them, the margin taken at each embedding's target cosine (``target_cosines``) so that the pass over the
     ``[N, T]`` cosines is plain ``s·cos`` (evaluated at every element, ArcFace's margin made XLA:GPU write the
     logits for the reduction to read)."""
-    w32, _, inverse = row_norms(w_tile)
-    rows = w32.astype(e_n.dtype)
+    rows, _, inverse, target_cos = tile_operands(e_n, w_tile, where)
     products = cosines(e_n, rows)
-    statistics = statistics_of_cosines(products * inverse[None, :], where, margin,
-                                       target_cos=target_cosines(e_n, rows, inverse, where))
-    return products, statistics
+    return products, statistics_of_cosines(products * inverse[None, :], where, margin, target_cos=target_cos)
+
+
+def tile_operands(e_n, w_tile, where: TileColumns):
+    """``(rows, squares, inverse, target_cos)``, what both passes over a tile take from its rows ``w_tile`` ``[T, D]``
+    as stored: the rows as ``cosines`` multiplies them (in ``e_n``'s dtype), their squared and inverse norms ``[T]``
+    and each embedding's target cosine ``[N]`` (``target_cosines``)."""
+    w32, squares, inverse = row_norms(w_tile)
+    rows = w32.astype(e_n.dtype)
+    return rows, squares, inverse, target_cosines(e_n, rows, inverse, where)
 
 
 def statistics_of_cosines(cos, where: TileColumns, margin: CombinedMargin, reduce=None, target_cos=None):
@@ -273,10 +279,8 @@ def tile_grad_parts(e_n, w_tile, where: TileColumns, margin: CombinedMargin, lse
     ``[T, D]`` (in ``e_n``'s dtype, as ``cosines`` multiplies) and ``radial = r³ Σ_n ∂/∂cos · (e_n · w)`` ``[T]``
     float32, the derivative of the norm (a projection: the row gradient has no component along the row).
     """
-    w32, squares, inverse = row_norms(w_tile)
-    rows = w32.astype(e_n.dtype)
+    rows, squares, inverse, target_cos = tile_operands(e_n, w_tile, where)
     products = cosines(e_n, rows) if products is None else products
-    target_cos = target_cosines(e_n, rows, inverse, where)
     d_products, d_inverse = cosine_grads(products, inverse, where, margin, lse, g, target_cos)
     d_e, product = cosines_pullback(e_n, rows, d_products)
     return d_e, product, radial_part(d_inverse, inverse, squares)
