@@ -14,9 +14,9 @@
 # Each job's exit status is logged (124: past its time limit). A job that ended in an earlier call on the same machine
 # (still warm), whatever its status, is skipped, so a second call with the same jobs goes on where the first stopped
 # (a job is known by its line as written, ` @SECONDS` included):
-#   mapfile -t jobs < docs/measurements/h100-DATE/jobs.txt; bash benchmarks/gpu_lease.sh "${jobs[@]}"
-# Ask the device tool for an H100 by name (kind nvidia-h100-x1): unnamed, it may start an H200, whose rows do not
-# compare with the H100 goals and earlier rows (the log names the card).
+#   mapfile -t jobs < docs/measurements/CARD-DATE/jobs.txt; bash benchmarks/gpu_lease.sh "${jobs[@]}"
+# Rows compare only with rows of the same card model, best of the same lease: the log names the card first, and
+# each JSON row its device (the workplace lends H200s since 2026-11-28; the leases before were H100s).
 # LEASE_DRY_RUN=1 sets nothing up and runs each job, fallbacks too, with a `python3` that prints its command line
 # instead (`python3 ARGS`, shell-quoted, as the job would run it; what tests/test_lease_jobs.py reads), on any machine,
 # in a scratch folder of its own (its OUT and RESULTS: a real run after it skips nothing); an `sh:` job's commands
@@ -28,8 +28,8 @@
 #   .gpucache/autotune  XLA:GPU's autotuning results per fusion (which cuDNN algorithm, which Triton tiling), that
 #             JAX keeps beside its compilation cache: the newest lease's $OUT/autotune.tgz (kept in its
 #             docs/measurements folder). Jobs then skip autotuning what an earlier lease tuned (it is keyed by the
-#             GPU's model and each fusion's HLO, so other cards and changed code tune anew); the timed steps are the
-#             same programs, only their compile_s is shorter.
+#             GPU's model and each fusion's HLO, so other cards and changed code tune anew; an archive holds all it
+#             carried, so one cache serves each card); the timed steps are the same programs, only compile_s shorter.
 set -u
 dry=${LEASE_DRY_RUN:-0}
 if [[ $dry == 1 ]]; then

@@ -40,6 +40,7 @@ SCRIPTS = {
                             "floor_kb"},
     "fc_kernels.py": {"kernel", "case", "form", "ms", "least_GB_per_s", "diff_vs_xla"},
     "partialfc_draw.py": {"classes", "rows", "form", "ms", "temp_bytes_per_class"},
+    "device_ceilings.py": {"measure", "size", "ms"},
 }
 NEEDS = {"inference_runtimes.py": "jax2onnx"}
 # what a script's --small run takes besides (fc_kernels.py: two of the kernel form's variants, two update cases;
@@ -262,18 +263,24 @@ def test_small_mode_writes_json(script, tmp_path):
 
 def test_prepare_lease_fills_what_a_lease_carries_and_refuses_what_it_cannot(tmp_path):
     """benchmarks/prepare_lease.sh in a checkout of its own: the bench copied into .gpudata, the wheels asked for
-    (PIP stands in for pip), the newest lease's autotuning results unpacked into .gpucache, the call to make printed;
-    a missing bench, and a carry past the device tool's 64 MiB, refused with the reason."""
+    (PIP stands in for pip), the newest lease's autotuning results, whatever its card, unpacked into .gpucache, the
+    call to make printed; a missing bench, and a carry past the device tool's 64 MiB, refused with the reason."""
     checkout, shared = tmp_path / "checkout", tmp_path / "shared"
     (checkout / "benchmarks").mkdir(parents=True)
     shutil.copy(ROOT / "benchmarks" / "prepare_lease.sh", checkout / "benchmarks")
-    for lease, content in (("h100-2026-01-02", "newest"), ("h100-2026-01-01", "older")):
+
+    def lease_archive(lease, content):
         tuned = tmp_path / lease / "autotune"
         tuned.mkdir(parents=True)
         (tuned / "fusion.textproto").write_text(content)
         (checkout / "docs" / "measurements" / lease).mkdir(parents=True)
         with tarfile.open(checkout / "docs" / "measurements" / lease / "autotune.tgz", "w:gz") as archive:
             archive.add(tuned, arcname="autotune")
+
+    # by date, not by name: an H200's older lease sorts after an H100's newer one by name
+    for lease, content in (("h100-2026-01-03", "newest"), ("h200-2026-01-02b", "older"), ("h200-2026-01-02", "old"),
+                           ("h100-2026-01-01", "oldest")):
+        lease_archive(lease, content)
     (checkout / ".gitignore").write_text(".whl/\n.gpudata/\n.gpucache/\n")
     subprocess.run(["git", "init", "-q", str(checkout)], check=True)
     pip = tmp_path / "pip"  # writes one file per package asked for into the -d folder
@@ -297,6 +304,9 @@ def test_prepare_lease_fills_what_a_lease_carries_and_refuses_what_it_cannot(tmp
         "array-record.whl", "grain.whl", "ml_collections.whl", "portpicker.whl", "simplejpeg.whl"]
     assert (checkout / ".gpucache" / "autotune" / "fusion.textproto").read_text() == "newest"
     assert 'JOB_LIMIT=200 bash benchmarks/gpu_lease.sh "${jobs[@]}"' in done.stdout
+    lease_archive("h200-2026-01-04", "an H200's, newer")
+    assert prepare().returncode == 0
+    assert (checkout / ".gpucache" / "autotune" / "fusion.textproto").read_text() == "an H200's, newer"
     subprocess.run(["truncate", "-s", "65M", str(checkout / ".whl" / "huge.whl")], check=True)
     too_big = prepare()
     assert too_big.returncode == 1 and "error: more than the device tool carries" in too_big.stderr
