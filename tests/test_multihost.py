@@ -83,11 +83,22 @@ def metrics(workdir: Path) -> list[dict]:
     return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
+# From its 8th step on, this tiny run turns the rounding of a sum's order into visible differences: on an AMD EPYC
+# host, 1 × 8 against 2 × 4, and against 1 × 8 on a (data=4, class=2) mesh in the same process, agreed to 5e-7 in
+# the loss for 6 steps, then 8.6e-6 at step 7 (the gradient's norm already 1.4e-3 apart) and 2.4e-4 to 1.4e-3 from
+# step 8 to 12 (on other hosts 1.4e-5 at step 11); a resume on the same mesh is exact (tests/test_train.py)
+AMPLIFIED_FROM_STEP = 8
+
+
 def check_same_run(rows: list[dict], reference: list[dict]) -> None:
-    """Equal steps, losses to float tolerance (collectives may sum in another order), eval accuracy within 1%."""
-    assert [r["step"] for r in rows] == [r["step"] for r in reference]
-    # 1.4e-5 seen at step 11: gloo sums in another order, and training amplifies it; a wrong batch differs by ~1e-1
-    np.testing.assert_allclose([r["loss"] for r in rows], [r["loss"] for r in reference], rtol=1e-4)
+    """Equal steps; losses to float tolerance (collectives may sum in another order) before AMPLIFIED_FROM_STEP and
+    within 1% from it, where a wrong batch or a lost shard still differs by ~1e-1; eval accuracy within 1%."""
+    steps = np.array([r["step"] for r in rows])
+    assert steps.tolist() == [r["step"] for r in reference]
+    losses, expected = np.array([r["loss"] for r in rows]), np.array([r["loss"] for r in reference])
+    early = steps < AMPLIFIED_FROM_STEP
+    np.testing.assert_allclose(losses[early], expected[early], rtol=1e-4)
+    np.testing.assert_allclose(losses[~early], expected[~early], rtol=1e-2)
     evals = [(r["step"], r["val/heldout/accuracy"]) for r in rows if "val/heldout/accuracy" in r]
     expected = [(r["step"], r["val/heldout/accuracy"]) for r in reference if "val/heldout/accuracy" in r]
     assert [s for s, _ in evals] == [s for s, _ in expected] and len(evals) >= 1
@@ -172,7 +183,7 @@ def test_two_processes_train_as_one_stop_on_a_dead_peer_and_resume_on_any_proces
     texts = finish(launch(2, ["jaxcls.eval", f"--workdir={back}"], logs), logs)
     assert "step 12" in texts[0] and "step 12" not in texts[1]
     result = json.loads((back / "eval_12.json").read_text())
-    assert result["val/heldout/accuracy"] == reference[-1]["val/heldout/accuracy"]
+    assert result["val/heldout/accuracy"] == metrics(back)[-1]["val/heldout/accuracy"]
 
 
 def test_sharded_loss_and_fused_fc_step_on_two_processes_equal_the_float64_reference(tmp_path, rng):
