@@ -17,10 +17,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from jaxcls.bench import print_table, time_ms, write_json
-
-# bytes a sampled FC row must move at the least (docs/benchmarks.md, "The FC path's bytes per sampled row")
-ROW_FLOOR_BYTES = {"bfloat16": 5 * 1024, "float32": 10 * 1024}
+from jaxcls.bench import FC_ROW_FLOOR_KB, print_table, time_ms, write_json
 
 
 def bandwidth_row(gib: float) -> dict:
@@ -31,8 +28,8 @@ def bandwidth_row(gib: float) -> dict:
     moved = 2 * 4 * elements
     tb_per_s = moved / ms / 1e9
     return {"measure": "elementwise pass, float32", "size": f"{moved / 2**30:.3g} GiB moved", "ms": ms,
-            "TB_per_s": tb_per_s, **{f"floor_ns_per_sampled_row_{dtype}": size / tb_per_s / 1e3
-                                     for dtype, size in ROW_FLOOR_BYTES.items()}}
+            "TB_per_s": tb_per_s, **{f"floor_ns_per_sampled_row_{dtype}": kb * 1024 / tb_per_s / 1e3
+                                     for dtype, kb in FC_ROW_FLOOR_KB.items()}}
 
 
 def matmul_row(n: int) -> dict:

@@ -33,7 +33,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only GPUs: no CUDA driv
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxcls.bench import FC_KERNELS, FC_KERNELS_HELP, fc_kernels, print_table, write_json  # noqa: E402
+from jaxcls.bench import (FC_KERNELS, FC_KERNELS_HELP, FC_ROW_FLOOR_KB, fc_kernels, print_table,  # noqa: E402
+                          write_json)
 from jaxcls.config import benchmark_config  # noqa: E402
 from jaxcls.fc.sampling import sample_budget  # noqa: E402
 from jaxcls.losses import arcface, sharded_margin_loss  # noqa: E402
@@ -43,7 +44,6 @@ from jaxcls.plan.kernels import kernels, moved_by_origin  # noqa: E402
 from jaxcls.run import build  # noqa: E402
 
 MARGIN_M = {"arcface": 0.5, "cosface": 0.4}  # the step's margin: arcface_torch's m for each (s = 64)
-FLOOR_KB = {"bfloat16": 5.0, "float32": 10.0}  # (2 reads + 1 write of the weight row + momentum read and write) / 1024
 
 
 def moved_bytes(fc_dtype: str, classes: int, batch: int, model: str, input_size: int, device, rounding="nearest",
@@ -83,7 +83,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--classes", type=int, nargs=2)
     parser.add_argument("--small", action="store_true")
-    parser.add_argument("--fc-dtype", action="append", choices=list(FLOOR_KB))
+    parser.add_argument("--fc-dtype", action="append", choices=list(FC_ROW_FLOOR_KB))
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--model", default="r18")
     parser.add_argument("--input-size", type=int, default=32)
@@ -120,14 +120,14 @@ def loss_alone_rows(device) -> list[dict]:
 def per_row_rows(args, device) -> list[dict]:
     rows = []
     rounding = args.fc_weight_rounding
-    for fc_dtype in args.fc_dtype or (["bfloat16"] if rounding == "stochastic" else list(FLOOR_KB)):
+    for fc_dtype in args.fc_dtype or (["bfloat16"] if rounding == "stochastic" else list(FC_ROW_FLOOR_KB)):
         (low, low_rows), (high, high_rows) = (moved_bytes(fc_dtype, c, args.batch, args.model, args.input_size, device,
                                                           rounding, args.margin) for c in args.classes)
         per_row = {line: (high[line] - low[line]) / (high_rows - low_rows) for line in high | low}
         rows.append({"fc_dtype": fc_dtype, "fc_weight_rounding": rounding, "margin": args.margin, "model": args.model,
                      "batch": args.batch, "classes": args.classes,
                      "sampled_rows": [low_rows, high_rows], "moved_bytes": [sum(low.values()), sum(high.values())],
-                     "kb_per_sampled_row": sum(per_row.values()) / 1024, "floor_kb": FLOOR_KB[fc_dtype],
+                     "kb_per_sampled_row": sum(per_row.values()) / 1024, "floor_kb": FC_ROW_FLOOR_KB[fc_dtype],
                      "bytes_per_row_by_line": dict(sorted(((k, v) for k, v in per_row.items() if abs(v) >= 64),
                                                           key=lambda kv: -kv[1]))})
         print(rows[-1], flush=True)

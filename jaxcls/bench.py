@@ -40,6 +40,9 @@ def time_ms(fn, *args, warmup: int = 3, iters: int = 20) -> float:
     return statistics.median(times)
 
 
+# the least a sampled FC row must move (D = 512), KB per FC storage dtype: the weight row read twice and written once,
+# its momentum read and written once
+FC_ROW_FLOOR_KB = {"bfloat16": 5.0, "float32": 10.0}
 # a script's --set help, by which tests/test_lease_jobs.py knows its values for config keys
 CONFIG_KEY = "KEY=VALUE: a jaxcls config key (repeatable)"
 FC_KERNELS = ("xla", *rows_backward.VARIANTS)

@@ -95,10 +95,10 @@ def check_same_run(rows: list[dict], reference: list[dict]) -> None:
     within 1% from it, where a wrong batch or a lost shard still differs by ~1e-1; eval accuracy within 1%."""
     steps = np.array([r["step"] for r in rows])
     assert steps.tolist() == [r["step"] for r in reference]
-    losses, expected = np.array([r["loss"] for r in rows]), np.array([r["loss"] for r in reference])
+    losses, reference_losses = np.array([r["loss"] for r in rows]), np.array([r["loss"] for r in reference])
     early = steps < AMPLIFIED_FROM_STEP
-    np.testing.assert_allclose(losses[early], expected[early], rtol=1e-4)
-    np.testing.assert_allclose(losses[~early], expected[~early], rtol=1e-2)
+    np.testing.assert_allclose(losses[early], reference_losses[early], rtol=1e-4)
+    np.testing.assert_allclose(losses[~early], reference_losses[~early], rtol=1e-2)
     evals = [(r["step"], r["val/heldout/accuracy"]) for r in rows if "val/heldout/accuracy" in r]
     expected = [(r["step"], r["val/heldout/accuracy"]) for r in reference if "val/heldout/accuracy" in r]
     assert [s for s, _ in evals] == [s for s, _ in expected] and len(evals) >= 1
