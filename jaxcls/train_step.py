@@ -20,6 +20,7 @@ from flax import nnx
 from jaxcls.data.pipeline import normalize
 from jaxcls.fc import FCHead
 from jaxcls.precision import DynamicLossScale, all_finite, select_tree
+from jaxcls.registry import lowered_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +51,10 @@ class TrainStep:
         float16 the FC update waits for the backbone gradients too, so an overflowing step changes nothing but
         the loss scale (the FC pass then runs twice).
         """
+        with lowered_for(self.head.mesh):  # each platform's form of a layer traced only where the step runs
+            return self._update(state, images, labels)
+
+    def _update(self, state: dict, images: jax.Array, labels: jax.Array) -> tuple[dict, dict]:
         key = jax.random.fold_in(jax.random.wrap_key_data(state["key"]), state["step"])
         lr, scale = self.schedule(state["step"]), state["scale"]
         sample = self.head.sample(key, labels)

@@ -19,6 +19,7 @@ from flax import nnx
 from jaxcls.data.pipeline import normalize
 from jaxcls.eval.verification import embed_in_batches, evaluate, load_bin
 from jaxcls.mesh import batch_sharding, replicated
+from jaxcls.registry import lowered_for
 
 log = logging.getLogger("jaxcls")
 
@@ -42,7 +43,8 @@ class Evaluator:
 
         @functools.partial(jax.jit, out_shardings=replicated(run.mesh))  # gathered: readable on every host
         def embed(params, stats, images):
-            return nnx.merge(run.eval_graphdef, params, stats)(normalize(images))
+            with lowered_for(run.mesh):
+                return nnx.merge(run.eval_graphdef, params, stats)(normalize(images))
 
         self._embed = embed
 

@@ -36,6 +36,7 @@ from jaxcls.losses.cross_entropy import combine_stats
 from jaxcls.losses.margins import CombinedMargin
 from jaxcls.losses.sharded import init_weight
 from jaxcls.precision import ELEMENTAL_EMITTER, as_bits, bitcast, cpu_scatter_converts
+from jaxcls.registry import lowered_for
 
 DEFAULT_CHUNK = 65_536  # rows per tile: temporaries O(N·T + T·D), large enough to keep a GPU's matmuls busy
 
@@ -117,11 +118,14 @@ class FCHead:
         matrix = layout.weight_spec(self.class_axes)
         slots = (matrix,) * len(state.slots)
         per_shard = partial(_step_shard, head=self, with_update=with_update, global_batch=embeddings.shape[0])
-        loss, d_emb, weight, new_slots, count = jax.shard_map(
-            per_shard, mesh=self.mesh,
-            in_specs=(layout.BATCH_ROWS, layout.BATCH, matrix, slots, layout.row_spec(self.class_axes), P(), P(), P()),
-            out_specs=(P(), layout.BATCH_ROWS, matrix, slots, P()),
-        )(embeddings, labels, weight, state.slots, row_classes, jnp.asarray(lr, jnp.float32), state.count, keep_update)
+        with lowered_for(self.mesh):
+            loss, d_emb, weight, new_slots, count = jax.shard_map(
+                per_shard, mesh=self.mesh,
+                in_specs=(layout.BATCH_ROWS, layout.BATCH, matrix, slots, layout.row_spec(self.class_axes), P(), P(),
+                          P()),
+                out_specs=(P(), layout.BATCH_ROWS, matrix, slots, P()),
+            )(embeddings, labels, weight, state.slots, row_classes, jnp.asarray(lr, jnp.float32), state.count,
+              keep_update)
         return jnp.where(labels_ok, loss, jnp.nan), d_emb, weight, SparseState(new_slots, count)
 
 

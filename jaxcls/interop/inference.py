@@ -31,6 +31,7 @@ from jaxcls.extras import optional_import
 from jaxcls.mesh import batch_sharding, make_mesh, replicated
 from jaxcls.models import make_model, split_model
 from jaxcls.reporting import log
+from jaxcls.registry import lowered_for
 
 
 def restore_backbone(workdir: str | os.PathLike, step: int | None = None, *, dtype=jnp.float32,
@@ -90,7 +91,11 @@ class Embedder:
         self.input_size, self.devices = config.data.input_size, len(devices)
         graphdef, params, stats = split_model(model)
         self.weights, self.sharding = (params, stats), batch_sharding(mesh)
-        self._embed = jax.jit(lambda weights, images: nnx.merge(graphdef, *weights)(normalize(images)))
+        def embed(weights, images):
+            with lowered_for(mesh):
+                return nnx.merge(graphdef, *weights)(normalize(images))
+
+        self._embed = jax.jit(embed)
 
     def __call__(self, images: np.ndarray) -> np.ndarray:
         n = len(images)

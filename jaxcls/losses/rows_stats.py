@@ -1,7 +1,7 @@
 """A tile's softmax statistics from the rows it picks by index, without writing a gathered copy of them.
 
 ``tile_statistics_by_index(weight, index, where, e_n, margin, gathered)`` is
-``tiles.tile_statistics`` of the rows ``weight[index]``, in two forms chosen by platform (``lax.platform_dependent``):
+``tiles.tile_statistics`` of the rows ``weight[index]``, in two forms chosen by platform (``registry.Forms``):
 
 - ``"pallas"`` (CUDA GPUs): a Triton kernel; each program loads a block of ``BLOCK_ROWS`` rows by index, a
   ``BLOCK_BATCH`` block of the embeddings, forms the cosines (scaled by the rows' inverse norms), the margin logits

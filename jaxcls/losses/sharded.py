@@ -39,6 +39,7 @@ from jaxcls.mesh import (
     weight_spec,
 )
 from jaxcls.precision import bitcast, bits_dtype
+from jaxcls.registry import lowered_for
 
 
 def init_weight(key, num_classes: int, dim: int, mesh: Mesh, class_axes=DEFAULT_CLASS_AXES,
@@ -100,9 +101,10 @@ def sharded_margin_loss(embeddings: jax.Array, weight: jax.Array, labels: jax.Ar
     grad_dtype = bits_dtype(weight.dtype) if on_cpu(mesh) else jnp.dtype(weight.dtype)
     per_shard = partial(_per_shard_loss, margin=margin, class_axes=class_axes, num_classes=num_classes,
                         chunk_size=chunk_size, global_batch=embeddings.shape[0], grad_dtype=grad_dtype)
-    loss = jax.shard_map(per_shard, mesh=mesh,
-                         in_specs=(BATCH_ROWS, weight_spec(class_axes), BATCH, row_spec(class_axes)),
-                         out_specs=P())(embeddings, weight, labels.astype(jnp.int32), row_classes)
+    with lowered_for(mesh):
+        loss = jax.shard_map(per_shard, mesh=mesh,
+                             in_specs=(BATCH_ROWS, weight_spec(class_axes), BATCH, row_spec(class_axes)),
+                             out_specs=P())(embeddings, weight, labels.astype(jnp.int32), row_classes)
     invalid = jnp.any((labels < 0) | (labels >= num_classes))
     return jnp.where(invalid, jnp.nan, loss)
 

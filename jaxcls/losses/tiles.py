@@ -38,6 +38,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxcls.losses.cross_entropy import masked_fill_value
 from jaxcls.losses.margins import CombinedMargin
 from jaxcls.mesh import check_class_axes, class_shards, padded_num_classes, row_spec, weight_sharding
+from jaxcls.registry import platform_dependent
 
 
 NORM_EPS = 1e-12  # a norm below this counts as this (the rows of padding classes are zero)
@@ -255,7 +256,7 @@ def tile_stats(logits, picked):
     """``(max, Σ exp(x − max), Σ picked)`` ``[N]`` over each row of ``logits`` ``[N, T]`` float32. Beyond CPUs in one
     read of the logits (``stats_in_one_read``); XLA:CPU runs that ~2× slower than separate reductions
     (``benchmarks/loss.py --cpu``), so there it gets those."""
-    return lax.platform_dependent(logits, picked, cpu=stats_in_separate_reads, default=stats_in_one_read)
+    return platform_dependent(logits, picked, cpu=stats_in_separate_reads, default=stats_in_one_read)
 
 
 def stats_in_one_read(logits, picked):

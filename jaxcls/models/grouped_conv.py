@@ -17,8 +17,9 @@ run 4–39× faster shifted. On an H100, cuDNN's kernels for groups of two ran ~
 block-diagonal form runs dense on tensor cores. Depthwise layers stay with cuDNN on GPUs until one times the
 shifted form.
 
-Under ``jit`` the choice is staged with ``lax.platform_dependent``, so each platform a program is lowered for
-(a compile-only GPU on a CPU machine, both branches of a multi-platform ``jax.export``) gets its own form.
+Traced in ``registry.lowered_for``'s block (the train step, the evaluators: the platform of their mesh, a
+compile-only GPU's too) a layer takes that platform's form; elsewhere (a model called on its own, both branches of a
+multi-platform ``jax.export``) the choice is staged with ``lax.platform_dependent``, each platform getting its own.
 ``forced("xla")`` fixes one form for everything traced inside it (the ONNX export, benchmarks, tests).
 """
 

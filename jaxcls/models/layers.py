@@ -170,10 +170,10 @@ def _autodiff_normalized(x, mean, var, scale, bias, alpha, axes: tuple, epsilon:
 
 def _training_normalized(x, scale, bias, alpha, axes: tuple, epsilon: float, dtype, one_pass: bool):
     """``(output, mean, var)``: ``x`` normalized by its own statistics over ``axes`` (``_moments``, kept as size-1
-    dims; ``mean`` and ``var`` carry no gradient out), differentiated in the form forced or the platform's (staged
-    with ``lax.platform_dependent``, so a compile-only GPU on a CPU machine gets the GPU's). Each form takes the
-    statistics itself: passed in, the forms' join gave them a zero cotangent that the written form's backward then
-    carried through the statistics (a read of ``x``; with bn_sync an all-reduce per layer)."""
+    dims; ``mean`` and ``var`` carry no gradient out), differentiated in the form forced or the platform's
+    (``registry.Forms.pick``: the platform of ``lowered_for``'s block, else staged with ``lax.platform_dependent``).
+    Each form takes the statistics itself: passed in, the forms' join gave them a zero cotangent that the written
+    form's backward then carried through the statistics (a read of ``x``; with bn_sync an all-reduce per layer)."""
 
     def form(normalize):
         def apply(x, scale, bias, alpha):
