@@ -11,7 +11,7 @@ import pytest
 from jaxcls.eval.evaluator import Evaluator
 from jaxcls.losses import sharded_margin_loss
 from jaxcls.mesh import make_mesh
-from jaxcls.registry import Forms, lowered_for, platform_of
+from jaxcls.registry import Forms, lowered_for, platform_dependent, platform_of
 from jaxcls.run import build
 from tiny import get_config
 
@@ -51,6 +51,12 @@ def test_a_known_platform_traces_only_its_form_and_computes_what_the_staged_choi
     with lowered_for(make_mesh(1, 8)), forms.forced("triple"):  # a form forced wins over the platform's
         np.testing.assert_array_equal(jax.jit(lambda x: f(x))(x), 3 * x)  # traced anew: jit caches by function
     assert traced == ["triple"]
+
+
+def test_a_known_platform_without_a_branch_or_a_default_is_refused_by_name():
+    with lowered_for(make_mesh(1, 8)), pytest.raises(ValueError, match=r"no branch for platform 'cpu' and no "
+                                                                        r"default: \['cuda', 'tpu'\]"):
+        platform_dependent(jnp.ones(2), cuda=lambda x: x, tpu=lambda x: x)
 
 
 def test_platform_of_names_platforms_as_platform_dependent_does():
