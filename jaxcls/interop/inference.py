@@ -30,8 +30,8 @@ from jaxcls.eval.verification import embed_in_batches
 from jaxcls.extras import optional_import
 from jaxcls.mesh import batch_sharding, make_mesh, replicated
 from jaxcls.models import make_model, split_model
-from jaxcls.reporting import log
 from jaxcls.registry import lowered_for
+from jaxcls.reporting import log
 
 
 def restore_backbone(workdir: str | os.PathLike, step: int | None = None, *, dtype=jnp.float32,
@@ -91,6 +91,7 @@ class Embedder:
         self.input_size, self.devices = config.data.input_size, len(devices)
         graphdef, params, stats = split_model(model)
         self.weights, self.sharding = (params, stats), batch_sharding(mesh)
+
         def embed(weights, images):
             with lowered_for(mesh):
                 return nnx.merge(graphdef, *weights)(normalize(images))
