@@ -18,20 +18,17 @@ from jaxcls.startup import simulate_cpu_devices
 simulate_cpu_devices(8)
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
 from jaxcls.bench import print_table, write_json  # noqa: E402
 from jaxcls.config import benchmark_config  # noqa: E402
-from jaxcls.mesh import batch_sharding  # noqa: E402
 from jaxcls.run import build  # noqa: E402
+
+COLUMNS = ["model", "batch", "classes", "target", "devices", "trace_s", "lower_s"]
 
 
 def trace_row(config, devices, repeats: int) -> dict:
     run = build(config, devices, with_data=False)
-    c, sharding = run.config, batch_sharding(run.mesh)
-    batch = (jax.ShapeDtypeStruct((c.batch_size, c.data.input_size, c.data.input_size, 3), jnp.uint8,
-                                  sharding=sharding),
-             jax.ShapeDtypeStruct((c.batch_size,), jnp.int32, sharding=sharding))
+    c, batch = run.config, run.abstract_batch()
     traces, lowers = [], []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -66,8 +63,8 @@ def main():
     for model in models:
         config = benchmark_config(small=args.small, model=model, batch_size=args.batch, num_classes=args.classes)
         rows.append(trace_row(config, devices, 1 if args.small else args.repeats))
-        print_table(rows[-1:], ["model", "batch", "classes", "target", "devices", "trace_s", "lower_s"])
-    print_table(rows, ["model", "batch", "classes", "target", "devices", "trace_s", "lower_s"])
+        print_table(rows[-1:], COLUMNS)
+    print_table(rows, COLUMNS)
     write_json(args.out, rows)
 
 

@@ -62,17 +62,20 @@ class Run:
 
         return jax.jit(train_step, donate_argnums=0, out_shardings=(self.state_shardings, replicated(self.mesh)))
 
-    def compile_step(self, state, compiler_options: dict | None = None):
-        """``jit_step`` compiled ahead of time for ``state`` (as initialized, restored or abstract) and one global
-        batch of uint8 images ``[B, S, S, 3]`` and int32 labels ``[B]`` in the batch sharding, with
-        ``compiler_options`` and over them the options the FC step needs to update in place
-        (``FCHead.compiler_options``)."""
+    def abstract_batch(self) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+        """One global batch as the step takes it: uint8 images ``[B, S, S, 3]`` and int32 labels ``[B]``, in the
+        batch sharding."""
         c, sharding = self.config, batch_sharding(self.mesh)
-        images = jax.ShapeDtypeStruct((c.batch_size, c.data.input_size, c.data.input_size, 3), jnp.uint8,
-                                      sharding=sharding)
-        labels = jax.ShapeDtypeStruct((c.batch_size,), jnp.int32, sharding=sharding)
+        return (jax.ShapeDtypeStruct((c.batch_size, c.data.input_size, c.data.input_size, 3), jnp.uint8,
+                                     sharding=sharding),
+                jax.ShapeDtypeStruct((c.batch_size,), jnp.int32, sharding=sharding))
+
+    def compile_step(self, state, compiler_options: dict | None = None):
+        """``jit_step`` compiled ahead of time for ``state`` (as initialized, restored or abstract) and one
+        ``abstract_batch``, with ``compiler_options`` and over them the options the FC step needs to update in place
+        (``FCHead.compiler_options``)."""
         options = {**(compiler_options or {}), **self.train_step.head.compiler_options}
-        return self.jit_step().lower(state, images, labels).compile(options or None)
+        return self.jit_step().lower(state, *self.abstract_batch()).compile(options or None)
 
     def batches(self, bad_records_log=None) -> HostBatches:
         """The checkpointable iterator of this host's rows of every global training batch; labels are checked against

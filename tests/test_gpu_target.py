@@ -17,7 +17,6 @@ from flax import nnx
 
 from jaxcls.bench import fc_kernels
 from jaxcls.losses import rows_backward, rows_stats
-from jaxcls.mesh import batch_sharding
 from jaxcls.models.layers import bn_backward_forced
 from jaxcls.models.mobilefacenet import ConvBlock
 from jaxcls.plan import gpu_target
@@ -49,12 +48,17 @@ def compiled_at(rows: int, fc_state_dtype: str = "same", backward: str | None = 
 COMPILED_AT = pytest.mark.xdist_group("compiled_at")
 
 
-@functools.cache
-def _compiled_at(rows: int, fc_state_dtype: str, backward: str | None, fc_dtype: str):
+def run_at(rows: int, fc_state_dtype: str = "same", fc_dtype: str = "bfloat16"):
+    """The run ``compiled_at`` compiles, built for 8 H100s."""
     config = get_config(num_classes=8 * rows, sample_rate=0.5, chunk_size=1024, precision="bfloat16",
                         fc_dtype=fc_dtype, fc_state_dtype=fc_state_dtype, mesh_data=2, margin=ARCFACE)
+    return build(config, gpu_target.gpu_devices("h100", 8), with_data=False)
+
+
+@functools.cache
+def _compiled_at(rows: int, fc_state_dtype: str, backward: str | None, fc_dtype: str):
     with fc_kernels(backward):
-        run = build(config, gpu_target.gpu_devices("h100", 8), with_data=False)
+        run = run_at(rows, fc_state_dtype, fc_dtype)
         return run, run.compile_step(run.abstract_state, gpu_target.COMPILE_OPTIONS)
 
 
@@ -178,15 +182,9 @@ def test_the_update_kernel_alone_updates_the_rows_in_place_after_xlas_gemms():
 def lowered_at(rows: int, backward: str | None) -> str:
     """The StableHLO of ``compiled_at``'s program before XLA compiles it (what ``--fc-kernels`` chooses is chosen
     while tracing: lowering shows it in seconds, where compiling took ~40)."""
-    config = get_config(num_classes=8 * rows, sample_rate=0.5, chunk_size=1024, precision="bfloat16",
-                        fc_dtype="bfloat16", mesh_data=2, margin=ARCFACE)
     with fc_kernels(backward):
-        run = build(config, gpu_target.gpu_devices("h100", 8), with_data=False)
-        sharding = batch_sharding(run.mesh)
-        images = jax.ShapeDtypeStruct((config.batch_size, *[config.data.input_size] * 2, 3), jnp.uint8,
-                                      sharding=sharding)
-        labels = jax.ShapeDtypeStruct((config.batch_size,), jnp.int32, sharding=sharding)
-        return run.jit_step().lower(run.abstract_state, images, labels).as_text()
+        run = run_at(rows)
+        return run.jit_step().lower(run.abstract_state, *run.abstract_batch()).as_text()
 
 
 @pytest.mark.gpu_target

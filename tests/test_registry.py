@@ -77,15 +77,14 @@ def test_the_train_step_the_loss_and_the_evaluators_forward_stage_no_platform_ch
     if model == "mbf":  # its stem's grouped convolution and depthwise ones, one block a stage
         config.model_kwargs, config.data.input_size = {"blocks": (1, 1, 1, 1)}, 32
     run = build(config, with_data=False)
-    batch, size = run.config.batch_size, run.config.data.input_size
-    images = jax.ShapeDtypeStruct((batch, size, size, 3), jnp.uint8)
-    labels = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    images, labels = run.abstract_batch()
     step = str(jax.make_jaxpr(run.train_step)(run.abstract_state, images, labels))
     assert "platform_index" not in step and "custom_vjp_call" in step  # the CPU's BatchNorm backward, written
     state = run.abstract_state
     forward = str(jax.make_jaxpr(Evaluator(run)._embed)(state["params"], state["stats"], images))
     assert "platform_index" not in forward and "conv_general_dilated" in forward
-    head, emb = run.train_step.head, jax.ShapeDtypeStruct((batch, run.config.num_features), jnp.float32)
+    head, emb = run.train_step.head, jax.ShapeDtypeStruct((run.config.batch_size, run.config.num_features),
+                                                                    jnp.float32)
     loss = lambda e, w, y: sharded_margin_loss(e, w, y, head.margin, mesh=head.mesh, class_axes=head.class_axes,
                                                num_classes=head.num_classes, chunk_size=16)
     traced = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(emb, state["weight"], labels))
