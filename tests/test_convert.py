@@ -270,6 +270,10 @@ def test_only_the_counterparts_of_arcface_torch_go_back_to_torch():
         jaxcls_to_torch(narrow, "r18")
     with pytest.raises(ValueError, match="IResNets are 64 wide; this run.s r18 is 16 wide"):
         arcface_name(_with(run_config("r18"), width=16))
+    with pytest.raises(ValueError, match=r"arcface_torch's r18 has \(2, 2, 2, 2\) blocks per stage; this run's has "
+                                         r"\(1, 1, 1, 2\) \(model_kwargs.stages\)"):
+        arcface_name(_with(run_config("r18"), stages=[1, 1, 1, 2]))
+    assert arcface_name(_with(run_config("r18"), stages=[2, 2, 2, 2])) == "r18"  # the name's own, as a list
     # mbf_large is jaxcls's mbf with model_kwargs, which survive a run's config.json
     from jaxcls.config import from_json
     from jaxcls.models import make_model

@@ -1,6 +1,7 @@
 """Backbones, precision policies, remat and fused ops."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -76,6 +77,17 @@ def test_parameter_count_and_output_shape(name):
         model = nnx.eval_shape(lambda: get_model(name, num_features=128, dtype=dtype))
         out = nnx.eval_shape(lambda m, x: m(x), model, jax.ShapeDtypeStruct((2, 112, 112, 3), jnp.float32))
         assert out.shape == (2, 128) and out.dtype == jnp.float32
+
+
+def test_an_iresnets_stages_set_its_depth_and_bad_ones_are_refused():
+    """``stages`` overrides the name's blocks per stage: an r50 with r34's stages is an r34; a stage of one block has
+    no stack of identical ones."""
+    assert count_params(nnx.eval_shape(lambda: get_model("r50", stages=STAGES["r34"]))) == EXPECTED["r34"]
+    shallow = nnx.eval_shape(lambda: get_model("r18", width=8, stages=[1, 1, 1, 2]))
+    assert [r is None for r in shallow.rests] == [True, True, True, False] and shallow.rests[3].depth == 1
+    for bad in [(2, 2, 2), (2, 0, 2, 2), (2, 2, 2, 1.5)]:
+        with pytest.raises(ValueError, match=rf"IResNet stages: 4 block counts of at least 1 .*{re.escape(repr(bad))}"):
+            get_model("r18", stages=bad)
 
 
 def small(name, **kwargs):

@@ -454,6 +454,9 @@ def arcface_name(config) -> str:
         if kwargs.get("width", 64) != 64:
             raise ValueError(f"arcface_torch's IResNets are 64 wide; this run's {config.model} is {kwargs['width']} "
                              "wide (model_kwargs.width)")
+        if tuple(kwargs.get("stages", STAGES[config.model])) != STAGES[config.model]:
+            raise ValueError(f"arcface_torch's {config.model} has {STAGES[config.model]} blocks per stage; this run's "
+                             f"has {tuple(kwargs['stages'])} (model_kwargs.stages)")
         return config.model
     if config.model == "mbf":
         shape = (tuple(kwargs.get("blocks", (1, 4, 6, 2))), kwargs.get("scale", 2))

@@ -4,7 +4,8 @@ Names: r18 r34 r50 r100 r200 (IResNet), mbf (MobileFaceNet), vit_t vit_s vit_b v
 ViTs).
 Common kwargs: ``dtype`` (compute dtype), ``remat`` (none | full | save_dots | save_block_outputs),
 ``input_size`` (112), ``bn_groups`` (1: training BatchNorm statistics over the whole batch; G: per block of
-B/G consecutive rows, one block per device), ``rngs`` (default ``nnx.Rngs(0)``).
+B/G consecutive rows, one block per device), ``rngs`` (default ``nnx.Rngs(0)``). IResNets also take ``width`` and
+``stages`` (blocks per stage, the name's by default), mbf ``blocks`` and ``scale``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from jaxcls.precision import compute_dtype
 from jaxcls.registry import lookup
 
 MODELS = {
-    **{name: partial(IResNet, stages) for name, stages in STAGES.items()},
+    **{name: partial(IResNet, stages=stages) for name, stages in STAGES.items()},  # model_kwargs may set stages
     "mbf": MobileFaceNet,
     **{name: partial(VisionTransformer, *size) for name, size in VIT_SIZES.items()},
 }

@@ -43,8 +43,11 @@ class IResNet(nnx.Module):
     def __init__(self, stages=STAGES["r50"], *, num_features: int = 512, dropout: float = 0.0,
                  dtype=jnp.float32, remat: str = "none", input_size: int = 112, width: int = 64,
                  bn_groups: int = 1, rngs: nnx.Rngs):
-        """``width`` scales every stage (64 is insightface's; smaller widths suit CPU recipes); ``bn_groups``:
-        see ``BatchNorm``."""
+        """``stages``: blocks per stage (r18's (2, 2, 2, 2) … r200's; fewer suit CPU recipes and tests); ``width``
+        scales every stage (64 is insightface's; smaller widths suit CPU recipes); ``bn_groups``: see ``BatchNorm``."""
+        if len(stages) != len(WIDTHS) or not all(isinstance(d, int) and d >= 1 for d in stages):
+            raise ValueError(f"IResNet stages: {len(WIDTHS)} block counts of at least 1 (a stage starts with its "
+                             f"strided block), not {stages!r}")
         self.remat = remat
         self.dtype = dtype
         widths = [w * width // 64 for w in WIDTHS]
