@@ -141,7 +141,8 @@ def test_free_form_keys_can_be_added_from_the_command_line(monkeypatch):
     define_config_flag(values)
     check_config_flags(argv)
     values(argv)
-    assert values.config.model_kwargs.to_dict() == dict(width=24, dropout=0.2, act="prelu", bias=False)
+    assert values.config.model_kwargs.to_dict() == dict(width=24, stages=[1, 1, 1, 2], dropout=0.2, act="prelu",
+                                                        bias=False)
     assert values.config.data.procedural.size == 8 and values.config.lr == 0.2
 
 
@@ -160,7 +161,8 @@ def test_resume_refuses_what_changes_the_model_data_or_optimizer():
     changed = tiny_config(model="r34", num_features=64, batch_size=64, seed=1, lr=0.2)
     changed.model_kwargs.width = 32
     assert resume_differences(saved, changed) == [
-        "batch_size: 32 → 64", "lr: 0.1 → 0.2", "model: 'r18' → 'r34'", "model_kwargs: {'width': 8} → {'width': 32}",
+        "batch_size: 32 → 64", "lr: 0.1 → 0.2", "model: 'r18' → 'r34'",
+        "model_kwargs: {'stages': [1, 1, 1, 2], 'width': 8} → {'stages': [1, 1, 1, 2], 'width': 32}",
         "num_features: 32 → 64", "seed: 0 → 1"]
     moved = tiny_config(mesh_data=2, class_axes="class", eval_every=5, ckpt_every=7, chunk_size=0, remat="full")
     moved.data.root, moved.data.threads = "/elsewhere", 1

@@ -358,7 +358,8 @@ def test_batchnorm_and_its_prelu_move_8_activations_a_layer_written_9_by_autodif
 def test_convolutions_are_cudnn_calls_in_the_compute_dtype():
     hlo = compiled_at(ROWS[0])[1].as_text()
     convolutions = [line for line in hlo.splitlines() if 'custom_call_target="__cudnn$conv' in line]
-    assert len(convolutions) >= 3 * 20  # forward, input and filter gradients of every convolution of an r18
+    # forward, input and filter gradients of each of tiny.py's 15 convolutions (its stem's input gradient unneeded)
+    assert len(convolutions) >= 3 * 15 - 1, len(convolutions)
     dtype = dict(re.findall(r"^\s*(?:ROOT )?(%[\w.\-]+) = \(?(\w+)\[", hlo, re.MULTILINE))  # of each result
     for line in convolutions:
         name, operands = re.search(r"(%[\w.\-]+) = .*? custom-call\((.*?)\), window", line).groups()
