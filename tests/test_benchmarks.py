@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import COMPILATION_CACHE, TEST_COMPILE_FLAGS
+from conftest import COMPILATION_CACHE, GPU_KERNEL_CACHE, TEST_COMPILE_FLAGS
 from jaxcls.bench import RowFailed, in_fresh_process
 from jaxcls.config import benchmark_config, validate
 
@@ -66,10 +66,11 @@ def benchmark(name: str):
 
 def script_env(compile_as_tests: bool = False) -> dict:
     """The environment a benchmark script runs in: it sets up its own devices (XLA_FLAGS without a device count), and
-    programs that the tests already compiled for 8 devices come from the run's compilation cache. With
-    ``compile_as_tests`` its CPU programs compile as the tests' do (no LLVM optimization, XLA:CPU's elemental emitter:
-    faster, and a --small run's timings count for nothing); without, XLA's defaults (programs compiled for a GPU)."""
-    flags = " ".join(TEST_COMPILE_FLAGS) if compile_as_tests else ""
+    programs that the tests already compiled for 8 devices come from the run's compilation cache, and kernels that
+    they compiled for a GPU from its kernel file. With ``compile_as_tests`` its CPU programs compile as the tests' do
+    (no LLVM optimization, XLA:CPU's elemental emitter: faster, and a --small run's timings count for nothing);
+    without, XLA's defaults (programs compiled for a GPU)."""
+    flags = " ".join((TEST_COMPILE_FLAGS if compile_as_tests else ()) + GPU_KERNEL_CACHE)
     return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"XLA_FLAGS": flags,
                                                                          "JAX_COMPILATION_CACHE_DIR": COMPILATION_CACHE}
 

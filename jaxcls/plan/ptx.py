@@ -83,13 +83,17 @@ def triton_resources(compile_with: Callable[[dict], object], arch: str = "sm_90a
     """Each Triton kernel's launch and registers (see the module docstring): ``compile_with(options)`` compiles the
     program for a GPU with these XLA options added and returns the compiled executable."""
     with tempfile.TemporaryDirectory() as dump:
-        compiled = compile_with({"xla_dump_to": dump})
+        # a kernel that XLA takes from its kernel cache file (--xla_gpu_kernel_cache_file) is not compiled, so its PTX
+        # would not be dumped: compile every kernel
+        compiled = compile_with({"xla_dump_to": dump, "xla_gpu_kernel_cache_file": ""})
         launches = triton_launches(compiled.as_text())
         assembled = {}
         for ptx in sorted(Path(dump).glob("*.ptx")):
             text = ptx.read_text()
             if any(f".entry {name}(" in text for name in launches):
                 assembled |= registers(ptx, arch)
+    if missing := sorted(launches.keys() - assembled.keys()):
+        raise RuntimeError(f"no PTX was dumped for the Triton kernel(s) {', '.join(missing)}")
     return {name: dict(launch, **assembled[name],
                        programs_per_sm=programs_per_sm(assembled[name]["registers"], launch["warps"]))
             for name, launch in launches.items()}
