@@ -1,7 +1,7 @@
 """Backbone memory and CPU step time per precision × remat policy, and fused vs unfused ops.
 
     python benchmarks/backbone_memory.py            # r50 at 112×112, batch 8 (timing: batch 2, 2 steps)
-    python benchmarks/backbone_memory.py --small    # r18 at 32×32 and one ViT-t row; what the test suite runs
+    python benchmarks/backbone_memory.py --small    # the small r18 at 32×32, one ViT-t row; what the tests run
 
 Columns: ``saved_bytes`` = activations kept for the backward (the vjp residuals, exact on any backend);
 ``temp_bytes`` = compiled temp memory of a full gradient step from ``memory_analysis()``. IResNet scans its
@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxcls.bench import print_table, write_json
+from jaxcls.config import SMALL_R18
 from jaxcls.models import create, get_model
 from jaxcls.models.layers import REMAT_POLICIES
 from jaxcls.precision import DTYPES
@@ -67,7 +68,8 @@ def main():
     name, size, batch, time_batch = (("r18", 32, 8, 8) if args.small else (args.model, 112, 8, 2))
     dtypes = ("float32",) if args.small else tuple(DTYPES)
     policies = ("none", "full") if args.small else tuple(REMAT_POLICIES)
-    rows = [measure(name, d, r, batch, size, time_batch, 1 if args.small else args.steps)
+    kwargs = SMALL_R18 if args.small else {}
+    rows = [measure(name, d, r, batch, size, time_batch, 1 if args.small else args.steps, **kwargs)
             for d in dtypes for r in policies]
     activations = ("fused_silu",) if args.small else ("silu", "fused_silu")  # --small: the code path, once
     rows += [measure("vit_t", "float32", "none", batch, 18 if args.small else 112, time_batch, 0, act=act)

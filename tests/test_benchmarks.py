@@ -50,8 +50,6 @@ SMALL_ARGS = {"fc_kernels.py": ["--fc-kernels", "pallas,pallas_update", "--updat
                                 "--update", "adamw/float32/float32"],
               "step_throughput.py": ["--bn-backward", "autodiff"]}
 GPU_TARGET = {"gpu_plan.py", "gpu_program.py"}  # compile for a GPU: JAX's CUDA plugin
-# scripts whose --small mode runs a full-width backbone: LLVM's optimizations pay for themselves there (69 s without)
-RUNS_A_BACKBONE = {"backbone_memory.py"}
 # scripts that another test runs whole, checking their JSON as test_small_mode_writes_json would
 RUN_ELSEWHERE = {"fc_bytes_per_row.py": "test_gpu_target.py::test_the_fc_path_moves_at_most_8_kb_per_sampled_row"}
 
@@ -243,7 +241,7 @@ def test_small_mode_writes_json(script, tmp_path):
     out = tmp_path / "result.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--small", "--out", str(out),
                            *SMALL_ARGS.get(script, [])], cwd=ROOT,
-                          env=script_env(script not in GPU_TARGET | RUNS_A_BACKBONE), capture_output=True, text=True,
+                          env=script_env(script not in GPU_TARGET), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
