@@ -8,8 +8,8 @@
 The train step (ArcFace or ``--margin``, batch 128 or ``--batch``, PartialFC 0.1, D = 512, bfloat16 compute, SGD with
 momentum) is compiled for one H100 (``jaxcls.plan.gpu_target``) at two class counts; the bytes its kernels read and
 write (``jaxcls.plan.kernels``) differ by what the extra sampled rows cost, so their difference over the difference in
-sampled rows is the FC path's traffic per sampled row, whatever the backbone (``jaxcls.config.SMALL_R18`` at 32 px here, for
-a fast compile). The floor: each sampled row read twice (statistics, then gradient) and written once, with its
+sampled rows is the FC path's traffic per sampled row, whatever the backbone (``jaxcls.config.SMALL_R18`` at 32 px
+here, for a fast compile). The floor: each sampled row read twice (statistics, then gradient) and written once, with its
 momentum read and written once: 5 KB a row in bfloat16, 10 KB in float32.
 Each row also gives the bytes per sampled row of each JAX source line's kernels (64 B or more;
 ``jaxcls.plan.kernels.moved_by_origin``, a gradient's lines marked backward). ``--loss-alone``
