@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxcls.bench import print_table, write_json
-from jaxcls.config import SMALL_R18
+from jaxcls.config import small_r18
 from jaxcls.models import create, get_model
 from jaxcls.models.layers import REMAT_POLICIES
 from jaxcls.precision import DTYPES
@@ -68,7 +68,7 @@ def main():
     name, size, batch, time_batch = (("r18", 32, 8, 8) if args.small else (args.model, 112, 8, 2))
     dtypes = ("float32",) if args.small else tuple(DTYPES)
     policies = ("none", "full") if args.small else tuple(REMAT_POLICIES)
-    kwargs = SMALL_R18 if args.small else {}
+    kwargs = small_r18() if args.small else {}
     rows = [measure(name, d, r, batch, size, time_batch, 1 if args.small else args.steps, **kwargs)
             for d in dtypes for r in policies]
     activations = ("fused_silu",) if args.small else ("silu", "fused_silu")  # --small: the code path, once

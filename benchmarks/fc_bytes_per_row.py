@@ -8,7 +8,7 @@
 The train step (ArcFace or ``--margin``, batch 128 or ``--batch``, PartialFC 0.1, D = 512, bfloat16 compute, SGD with
 momentum) is compiled for one H100 (``jaxcls.plan.gpu_target``) at two class counts; the bytes its kernels read and
 write (``jaxcls.plan.kernels``) differ by what the extra sampled rows cost, so their difference over the difference in
-sampled rows is the FC path's traffic per sampled row, whatever the backbone (``jaxcls.config.SMALL_R18`` at 32 px
+sampled rows is the FC path's traffic per sampled row, whatever the backbone (``jaxcls.config.small_r18()`` at 32 px
 here, for a fast compile). The floor: each sampled row read twice (statistics, then gradient) and written once, with its
 momentum read and written once: 5 KB a row in bfloat16, 10 KB in float32.
 Each row also gives the bytes per sampled row of each JAX source line's kernels (64 B or more;
@@ -35,7 +35,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from jaxcls.bench import (FC_KERNELS, FC_KERNELS_HELP, FC_ROW_FLOOR_KB, fc_kernels, print_table,  # noqa: E402
                           write_json)
-from jaxcls.config import SMALL_R18, benchmark_config  # noqa: E402
+from jaxcls.config import small_r18, benchmark_config  # noqa: E402
 from jaxcls.fc.sampling import sample_budget  # noqa: E402
 from jaxcls.losses import arcface, sharded_margin_loss  # noqa: E402
 from jaxcls.mesh import make_mesh  # noqa: E402
@@ -54,7 +54,7 @@ def moved_bytes(fc_dtype: str, classes: int, batch: int, model: str, input_size:
     c.margin.name, c.margin.m = margin, MARGIN_M[margin]
     c.data.input_size = input_size
     if model == "r18":
-        c.model_kwargs = dict(SMALL_R18)
+        c.model_kwargs = small_r18()
     run = build(c, [device], with_data=False)
     compiled = run.compile_step(run.abstract_state, gpu_target.COMPILE_OPTIONS)
     rows = sample_budget(run.train_step.head.rows, c.batch_size, c.sample_rate)

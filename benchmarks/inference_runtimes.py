@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from jaxcls.bench import print_table, time_ms, write_json
-from jaxcls.config import SMALL_R18
+from jaxcls.config import small_r18
 from jaxcls.interop.export import export_jax, export_onnx, load_jax_export
 from jaxcls.interop.inference import OnnxEmbedder, agreement, deployed, deployed_input
 from jaxcls.models import create, get_model
@@ -31,7 +31,7 @@ def main():
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--out", default="benchmarks/results/inference_runtimes.json")
     args = parser.parse_args()
-    name, kwargs, batch, iters = ("r18", dict(SMALL_R18), 8, 3) if args.small else ("r50", {}, 64, 3)
+    name, kwargs, batch, iters = ("r18", small_r18(), 8, 3) if args.small else ("r50", {}, 64, 3)
     model = create(lambda: get_model(name, 512, input_size=112, **kwargs))
     model.eval()
     images = np.random.default_rng(0).integers(0, 256, (batch, 112, 112, 3), dtype=np.uint8)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcls.config import SMALL_R18
+from jaxcls.config import small_r18
 from jaxcls.data.pipeline import HostBatches, device_batch
 from jaxcls.data.recordio import MXFaceDataset
 from jaxcls.losses import rows_backward, rows_stats
@@ -196,8 +196,11 @@ class PlainIResNet(nn.Module):
 
 
 def plain_model(small: bool) -> PlainIResNet:
-    """IResNet-50, or for the benchmarks' ``--small`` modes ``config.SMALL_R18`` with 32-d embeddings."""
-    return PlainIResNet(tuple(SMALL_R18["stages"]), SMALL_R18["width"], 32) if small else PlainIResNet()
+    """IResNet-50, or for the benchmarks' ``--small`` modes ``config.small_r18()`` with 32-d embeddings."""
+    if not small:
+        return PlainIResNet()
+    kwargs = small_r18()
+    return PlainIResNet(tuple(kwargs["stages"]), kwargs["width"], 32)
 
 
 def plain_step(model: PlainIResNet, rows: int):

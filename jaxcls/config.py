@@ -276,14 +276,16 @@ def face_config(*, root, num_classes, num_images, epochs, model="r50", margin=("
     return c
 
 
-# The small IResNet-18 that the tests train and the benchmarks' --small modes compile: 8 wide, one block a stage but
-# the last's two (that stage still holds a stack of identical blocks); a step compiles ~1/3 faster than (2, 2, 2, 2)'s
-SMALL_R18 = {"width": 8, "stages": [1, 1, 1, 2]}
+def small_r18() -> dict:
+    """``model_kwargs`` of the small IResNet-18 that the tests train and the benchmarks' --small modes compile: 8 wide,
+    one block a stage but the last's two (that stage still holds a stack of identical blocks); a step compiles ~1/3
+    faster than (2, 2, 2, 2)'s. A new dict each call: a config that changes its copy changes no other."""
+    return {"width": 8, "stages": [1, 1, 1, 2]}
 
 
 def benchmark_config(*, small: bool = False, overrides=(), **keys) -> ml_collections.ConfigDict:
     """The train step the benchmarks measure, on synthetic data: ``face_config``'s recipe (r50 at 112×112, 512-d
-    ArcFace, bfloat16) with 1M classes, batch 128 and PartialFC 0.1. ``small``: ``SMALL_R18`` (32-d) at 32×32 in
+    ArcFace, bfloat16) with 1M classes, batch 128 and PartialFC 0.1. ``small``: ``small_r18()`` (32-d) at 32×32 in
     float32, which a CPU compiles and steps in seconds. Then ``keys`` (``batch_size=512``), then
     ``overrides``: a ``--set`` flag's ``KEY=VALUE`` strings, each value as Python reads it (``True``, ``65536``,
     ``0.1``) or else as text (``r50``); a dotted key reaches a nested one (``data.input_size=64``)."""
@@ -291,7 +293,7 @@ def benchmark_config(*, small: bool = False, overrides=(), **keys) -> ml_collect
     c.data.kind = "synthetic"
     c.total_steps, c.warmup_steps = 10**6, 10  # any number of timed steps, after a short warmup
     if small:
-        c.model, c.model_kwargs, c.num_features, c.precision = "r18", dict(SMALL_R18), 32, "float32"
+        c.model, c.model_kwargs, c.num_features, c.precision = "r18", small_r18(), 32, "float32"
         c.data.input_size = 32
     c.update_from_flattened_dict(keys)
     for item in overrides:

@@ -130,6 +130,12 @@ def test_list_valued_keys_are_settable_from_the_command_line(monkeypatch):
         assert values.config.eval_bins == expected
 
 
+def test_a_config_that_changes_its_small_r18_changes_no_other():
+    changed = tiny_config()
+    changed.model_kwargs.stages[0] = 3
+    assert tiny_config().model_kwargs.to_dict() == {"width": 8, "stages": [1, 1, 1, 2]}
+
+
 def test_free_form_keys_can_be_added_from_the_command_line(monkeypatch):
     """``model_kwargs`` and ``data.procedural`` go to constructors as they are: ``--config.model_kwargs.dropout``
     adds a key the config file lacks (a bare AttributeError before), its value read as a literal."""

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from jaxcls.config import SMALL_R18, base_config
+from jaxcls.config import small_r18, base_config
 from jaxcls.data.pipeline import normalize
 from jaxcls.errors import DataError
 from jaxcls.data.recordio import pack, write_records
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow  # compiles an r18 (and exports it)
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     c = base_config()
-    c.model, c.model_kwargs, c.num_features, c.num_classes, c.batch_size = "r18", dict(SMALL_R18), 32, 1000, 8
+    c.model, c.model_kwargs, c.num_features, c.num_classes, c.batch_size = "r18", small_r18(), 32, 1000, 8
     c.data.input_size = 32
     path = tmp_path_factory.mktemp("run")
     saved_run(path, c, np.random.default_rng(0))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from jaxcls.config import SMALL_R18, base_config
+from jaxcls.config import small_r18, base_config
 from jaxcls.data.align import ARCFACE_TEMPLATE, align_face, similarity_transform, warp_affine
 from jaxcls.data.pipeline import normalize
 from jaxcls.errors import DataError
@@ -143,7 +143,7 @@ def reference_metrics(labels, scores):
 
 def ijb_config():
     c = base_config()
-    c.model, c.model_kwargs, c.num_features, c.num_classes, c.batch_size = "r18", dict(SMALL_R18), 32, 1000, 8
+    c.model, c.model_kwargs, c.num_features, c.num_classes, c.batch_size = "r18", small_r18(), 32, 1000, 8
     c.data.input_size = 112
     return c
 

@@ -1,6 +1,6 @@
 """A tiny run that 8 CPU devices train in seconds; also a config file: ``--config tests/tiny.py``."""
 
-from jaxcls.config import SMALL_R18, base_config
+from jaxcls.config import small_r18, base_config
 
 
 def get_config(**overrides):
@@ -8,7 +8,7 @@ def get_config(**overrides):
     c.data.procedural = dict(num_classes=64, images_per_class=8, size=16, strokes=4)
     c.data.input_size = 16
     c.num_classes = 64
-    c.model_kwargs = dict(SMALL_R18)
+    c.model_kwargs = small_r18()
     c.num_features = 32
     c.margin = dict(name="cosface", s=16.0, m=0.2, straight_through=False)
     c.batch_size = 32
