@@ -168,12 +168,7 @@ class MetricsWriter:
             rows = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= resumed_step]
             path.write_text("".join(row + "\n" for row in rows))
         self.file = open(path, "a")
-        try:
-            from tensorboardX import SummaryWriter
-
-            self.tb = SummaryWriter(str(workdir / "tensorboard"))
-        except ImportError:
-            pass
+        self.tb = tensorboard_writer(workdir / "tensorboard")
 
     def write(self, step: int, metrics: dict) -> None:
         if not self.active:
@@ -190,3 +185,22 @@ class MetricsWriter:
             self.file.close()
         if self.tb:
             self.tb.close()
+
+
+def tensorboard_writer(logdir: Path):
+    """tensorboardX's ``SummaryWriter`` on ``logdir``, or None where tensorboardX is not installed.
+
+    tensorboardX imports torch when it is installed, to accept torch tensors (~2.5 s of a run's start; jaxcls writes
+    floats): unless torch is imported already, it is hidden from that import.
+    """
+    hide_torch = "torch" not in sys.modules
+    if hide_torch:
+        sys.modules["torch"] = None  # `import torch` raises ImportError, which tensorboardX takes as "no torch"
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        return None
+    finally:
+        if hide_torch:
+            del sys.modules["torch"]
+    return SummaryWriter(str(logdir))

@@ -2,6 +2,9 @@
 
 import json
 import logging
+import struct
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +24,34 @@ def test_metrics_rows_past_the_restored_step_are_dropped(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
     assert any((tmp_path / "tensorboard").iterdir())
+
+
+def scalars(logdir):
+    """``(tag, step, value)`` of every scalar in the TensorBoard event files of ``logdir`` (records: a little-endian
+    uint64 length, its CRC, the serialized ``Event``, its CRC)."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    found = []
+    for path in sorted(logdir.iterdir()):
+        data, at = path.read_bytes(), 0
+        while at < len(data):
+            (length,) = struct.unpack_from("<Q", data, at)
+            event = Event.FromString(data[at + 12:at + 12 + length])
+            found += [(v.tag, event.step, v.simple_value) for v in event.summary.value]
+            at += 12 + length + 4
+    return found
+
+
+def test_tensorboard_scalars_are_written_without_importing_torch(tmp_path):
+    """tensorboardX imports torch where it is installed (seconds); the writer hides it from that import, and
+    ``import torch`` works again after."""
+    script = ("import sys; from pathlib import Path; from jaxcls.reporting import MetricsWriter; "
+              f"w = MetricsWriter(Path({str(tmp_path)!r})); w.write(1, {{'loss': 2.5, 'lr': 0.5}}); "
+              "w.write(2, {'loss': 1.25}); w.close(); print('torch' in sys.modules); "
+              "import importlib.util; print(importlib.util.find_spec('torch') is None or bool(__import__('torch')))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["False", "True"], done.stderr[-2000:]
+    assert scalars(tmp_path / "tensorboard") == [("loss", 1, 2.5), ("lr", 1, 0.5), ("loss", 2, 1.25)]
 
 
 def test_progress_counts_completed_steps_one_behind_the_dispatch():
