@@ -9,11 +9,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxcls.mesh import make_mesh
 from jaxcls.models import MODELS, count_params, create, get_model
 from jaxcls.models.iresnet import STAGES
 from jaxcls.models.layers import BN_BACKWARDS, BatchNorm, PReLU, bn_backward_forced, fused_silu
 from jaxcls.models.vit import Block
 from jaxcls.precision import all_finite
+from jaxcls.registry import lowered_for
 from reference import rel_err
 
 
@@ -102,10 +104,18 @@ def loss_of(model, x):
     return jnp.sum(model(x) ** 2)
 
 
+def traced_for_the_cpu():
+    """Each layer traced in its CPU form alone, as the train step traces for its devices (``lowered_for``; staged,
+    every platform's form would be traced and linearized: a third of these tests' time). The forms of other platforms
+    are tested where they are chosen (test_grouped_conv, the BatchNorm tests below, test_registry)."""
+    return lowered_for(make_mesh(1, 8))
+
+
 def param_grads(model, x):
     """The gradient of ``loss_of`` w.r.t. the parameters, by one compiled program."""
     graphdef, state = nnx.split(model)
-    return jax.jit(lambda state, x: nnx.grad(loss_of)(nnx.merge(graphdef, state), x))(state, x)
+    with traced_for_the_cpu():
+        return jax.jit(lambda state, x: nnx.grad(loss_of)(nnx.merge(graphdef, state), x))(state, x)
 
 
 @pytest.mark.slow
@@ -127,11 +137,13 @@ def test_bfloat16_outputs_agree_with_float32(name, rng):
         model, _ = small(name, dtype=dtype)
         model.eval()
         graphdef, state = nnx.split(model)
-        outs.append(jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))(state, x))
+        with traced_for_the_cpu():
+            outs.append(jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))(state, x))
     assert outs[1].dtype == jnp.float32
     assert rel_err(outs[1], outs[0]) < 5e-2
 
 
+@functools.lru_cache
 def residual_bytes(name, remat, batch=16):
     """Bytes the forward keeps for the backward (the vjp's residuals) at 112×112, by abstract evaluation.
 
@@ -141,8 +153,9 @@ def residual_bytes(name, remat, batch=16):
     model.eval()  # statistics frozen: the model is a pure function of its parameters under jax.vjp
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     x = jax.ShapeDtypeStruct((batch, 112, 112, 3), jnp.float32)
-    pullback = jax.eval_shape(lambda p, r, x: jax.vjp(lambda p: loss_of(nnx.merge(graphdef, p, r), x), p)[1],
-                              params, rest, x)
+    with traced_for_the_cpu():
+        pullback = jax.eval_shape(lambda p, r, x: jax.vjp(lambda p: loss_of(nnx.merge(graphdef, p, r), x), p)[1],
+                                  params, rest, x)
     return sum(r.size * r.dtype.itemsize for r in jax.tree.leaves(pullback))
 
 
@@ -158,7 +171,9 @@ def compiled_temp_bytes(name, remat, batch=8, size=64):
 
     grad = jax.grad(loss, argnums=(0, 1), has_aux=True, allow_int=True)
     x = jax.ShapeDtypeStruct((batch, size, size, 3), jnp.float32)
-    return jax.jit(grad).lower(params, rest, x).compile().memory_analysis().temp_size_in_bytes
+    with traced_for_the_cpu():
+        lowered = jax.jit(grad).lower(params, rest, x)
+    return lowered.compile().memory_analysis().temp_size_in_bytes
 
 
 @pytest.mark.slow
