@@ -201,11 +201,11 @@ def test_the_fc_backward_on_a_gpu_takes_xlas_form_where_forced():
 @pytest.mark.gpu_target
 def test_the_fc_path_moves_at_most_8_kb_per_sampled_row(tmp_path):
     """benchmarks/fc_bytes_per_row.py, run as a user runs it, for a bfloat16 FC state at batch 128, D = 512 on one
-    H100: 6.7 KB per sampled row, the goal 8 and the floor 5 (counted with CosFace until 2026-11-28: 28.8 before the
-    loss scaled its cosines by inverse norms, selected the margin's target logit elementwise and took its softmax
-    statistics in one reduction: 20.9; then the rows update became one kernel: 16.0; then the statistics pass: 13.1;
-    then the backward two kernels that recompute the cosines from the rows read by index, the update forming the
-    rows' gradient on chip). The script's only test: its JSON holds what test_benchmarks asks of every script's."""
+    H100: 6.5 KB per sampled row with ArcFace (6.7 with CosFace), the goal 8 and the floor 5 (counted with CosFace
+    until 2026-11-28: 28.8 before the loss scaled its cosines by inverse norms, selected the margin's target logit
+    elementwise and took its softmax statistics in one reduction: 20.9; then the rows update became one kernel: 16.0;
+    then the statistics pass: 13.1; then the backward two kernels that recompute the cosines from the rows read by
+    index, the update forming the rows' gradient on chip). The script's only test: its JSON holds what test_benchmarks asks of every script's."""
     out = tmp_path / "bytes.json"
     # the looped kernels' count (the default GPU form, the update kernel after XLA's GEMMs, moves 13.2 KB; XLA's 18.1
     # with CosFace)

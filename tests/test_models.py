@@ -87,7 +87,7 @@ def test_an_iresnets_stages_set_its_depth_and_bad_ones_are_refused():
     assert count_params(nnx.eval_shape(lambda: get_model("r50", stages=STAGES["r34"]))) == EXPECTED["r34"]
     shallow = nnx.eval_shape(lambda: get_model("r18", width=8, stages=[1, 1, 1, 2]))
     assert [r is None for r in shallow.rests] == [True, True, True, False] and shallow.rests[3].depth == 1
-    for bad in [(2, 2, 2), (2, 0, 2, 2), (2, 2, 2, 1.5)]:
+    for bad in [(2, 2, 2), (2, 0, 2, 2), (2, 2, 2, 1.5), (2, 2, 2, True)]:  # True is an int in Python
         with pytest.raises(ValueError, match=rf"IResNet stages: 4 block counts of at least 1 .*{re.escape(repr(bad))}"):
             get_model("r18", stages=bad)
 

@@ -45,7 +45,8 @@ class IResNet(nnx.Module):
                  bn_groups: int = 1, rngs: nnx.Rngs):
         """``stages``: blocks per stage (r18's (2, 2, 2, 2) … r200's; fewer suit CPU recipes and tests); ``width``
         scales every stage (64 is insightface's; smaller widths suit CPU recipes); ``bn_groups``: see ``BatchNorm``."""
-        if len(stages) != len(WIDTHS) or not all(isinstance(d, int) and d >= 1 for d in stages):
+        counts = all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in stages)  # True is an int
+        if len(stages) != len(WIDTHS) or not counts:
             raise ValueError(f"IResNet stages: {len(WIDTHS)} block counts of at least 1 (a stage starts with its "
                              f"strided block), not {stages!r}")
         self.remat = remat
