@@ -205,7 +205,8 @@ def test_the_fc_path_moves_at_most_8_kb_per_sampled_row(tmp_path):
     until 2026-11-28: 28.8 before the loss scaled its cosines by inverse norms, selected the margin's target logit
     elementwise and took its softmax statistics in one reduction: 20.9; then the rows update became one kernel: 16.0;
     then the statistics pass: 13.1; then the backward two kernels that recompute the cosines from the rows read by
-    index, the update forming the rows' gradient on chip). The script's only test: its JSON holds what test_benchmarks asks of every script's."""
+    index, the update forming the rows' gradient on chip). The script's only test: its JSON holds what
+    test_benchmarks asks of every script's."""
     out = tmp_path / "bytes.json"
     # the looped kernels' count (the default GPU form, the update kernel after XLA's GEMMs, moves 13.2 KB; XLA's 18.1
     # with CosFace)
