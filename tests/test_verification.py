@@ -1,4 +1,5 @@
-"""insightface's verification protocol: 10 unshuffled folds, squared L2 on flip-summed normalized embeddings."""
+"""insightface's verification protocol: 10 unshuffled folds, squared L2 on flip-summed normalized embeddings, XNorm
+over every view alone."""
 
 import io
 import pickle
@@ -9,7 +10,7 @@ import pytest
 from PIL import Image
 
 from jaxcls.errors import DataError
-from jaxcls.eval.verification import embed_in_batches, evaluate, kfold_accuracy, load_bin
+from jaxcls.eval.verification import embed_in_batches, embed_views, evaluate, kfold_accuracy, load_bin
 
 
 def test_hand_computed_case():
@@ -30,9 +31,23 @@ def test_hand_computed_case():
 def test_evaluate_on_embeddings():
     e = np.array([[1, 0], [1, 0], [1, 0], [0, 1]] * 10, float)  # same pair, different pair, ...
     issame = np.array([True, False] * 10)
-    out = evaluate(e * 3.0, issame)
+    out = evaluate(e[None] * 3.0, issame)
     assert out["accuracy"] == 1.0 and out["accuracy_std"] == 0.0 and out["xnorm"] == 3.0
     assert 0.0 < out["best_threshold"] <= 2.0
+    with pytest.raises(ValueError, match=r"expected views \[V, 2P, D\], got shape \(40, 2\)"):
+        evaluate(e, issame)
+
+
+def test_pairs_are_scored_on_the_views_sum_and_xnorm_is_insightfaces(rng):
+    """insightface's ``test()`` averages the norm of every embedding of its two lists (the images', the mirrors')
+    one by one; the pairs are scored on the lists' sum, normalized."""
+    views = rng.normal(size=(2, 40, 8)) * rng.uniform(1, 30, size=(2, 40, 1))
+    issame = rng.random(20) < 0.5
+    out = evaluate(views, issame)
+    norms = [np.sqrt(sum(x * x for x in embedding)) for view in views for embedding in view]
+    assert out["xnorm"] == pytest.approx(sum(norms) / len(norms), rel=1e-12)
+    summed = evaluate(views.sum(0)[None], issame)
+    assert {k: v for k, v in out.items() if k != "xnorm"} == {k: v for k, v in summed.items() if k != "xnorm"}
 
 
 def test_flip_sum_pads_last_batch():
@@ -43,10 +58,11 @@ def test_flip_sum_pads_last_batch():
         calls.append(len(x))
         return x.reshape(len(x), -1)[:, :2].astype(float)
 
-    out = embed_in_batches(embed, images, batch_size=4)
-    assert out.shape == (5, 2) and calls == [4, 4, 4, 4]
-    expected = images.reshape(5, -1)[:, :2] + images[:, :, ::-1].reshape(5, -1)[:, :2]
-    np.testing.assert_array_equal(out, expected)
+    views = embed_views(embed, images, batch_size=4)
+    assert views.shape == (2, 5, 2) and calls == [4, 4, 4, 4]
+    np.testing.assert_array_equal(views[0], images.reshape(5, -1)[:, :2])
+    np.testing.assert_array_equal(views[1], images[:, :, ::-1].reshape(5, -1)[:, :2])
+    np.testing.assert_array_equal(embed_in_batches(embed, images, batch_size=4), views.sum(0))
     calls.clear()
     np.testing.assert_array_equal(embed_in_batches(embed, images, batch_size=4, flip=False),
                                   images.reshape(5, -1)[:, :2])

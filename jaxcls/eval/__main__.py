@@ -62,8 +62,8 @@ def evaluate(workdir: Path) -> dict:
                 print(workdir)
             report(step, results, workdir / f"eval_{step}.json")
             if FLAGS.roc:
-                curves = {name: roc_curve(issame, pair_cosines(l2_normalize(emb)))[:2]
-                          for name, (emb, issame) in embeddings.items() if has_both_kinds(issame)}
+                curves = {name: roc_curve(issame, pair_cosines(l2_normalize(views.sum(0))))[:2]
+                          for name, (views, issame) in embeddings.items() if has_both_kinds(issame)}
                 plot_roc(curves, workdir / f"roc_{step}.png", f"{workdir.name}, step {step}")
                 print(f"wrote {workdir / f'roc_{step}.png'}")
     checkpoints.close()

@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from jaxcls.data.pipeline import normalize
-from jaxcls.eval.verification import embed_in_batches, evaluate, load_bin
+from jaxcls.eval.verification import embed_views, evaluate, load_bin
 from jaxcls.mesh import batch_sharding, replicated
 from jaxcls.registry import lowered_for
 
@@ -55,8 +55,8 @@ class Evaluator:
         return self._embed(state["params"], state["stats"], images)
 
     def embeddings(self, state: dict) -> dict:
-        """``{set name: (flip-summed embeddings [2P, D], issame [P])}``."""
-        return {name: (embed_in_batches(lambda x: self.embed(state, x), images, self.batch), issame)
+        """``{set name: (embeddings of the images and of their mirrors [2, 2P, D], issame [P])}``."""
+        return {name: (embed_views(lambda x: self.embed(state, x), images, self.batch), issame)
                 for name, images, issame in self.sets}
 
     def __call__(self, state: dict) -> dict:
@@ -65,8 +65,8 @@ class Evaluator:
     def metrics(self, embeddings: dict) -> dict:
         """``{'val/<set>/<metric>': value}`` of ``embeddings(state)``; warns on collapse."""
         out = {}
-        for name, (emb, issame) in embeddings.items():
-            result = evaluate(emb, issame)
+        for name, (views, issame) in embeddings.items():
+            result = evaluate(views, issame)
             out.update({f"val/{name}/{k}": v for k, v in result.items()})
             if result["mean_cosine"] > self.config.collapse_warning:
                 log.warning("embedding collapse on %s: eval embeddings have mean cosine %.2f (accuracy %.3f); "

@@ -3,7 +3,8 @@
 Each image and its horizontal flip are embedded, the two embeddings **summed** and L2-normalized; the
 distance is the squared L2 distance; thresholds ``arange(0, 4, 0.01)``; 10 folds without shuffling: the
 best threshold on 9 folds is applied to the 10th. Reported: mean and std accuracy over folds, the
-mean best threshold, and XNorm (the mean norm of the unnormalized summed embeddings). Beyond insightface's
+mean best threshold, and XNorm (the mean norm of the unnormalized embeddings of the images and of their mirrors,
+each counted alone, as insightface averages them). Beyond insightface's
 accuracy: the ROC of the pairs' cosine similarities, its AUC and TAR at FAR 1e-1 … 1e-4 (those the impostor
 pairs can resolve; ``jaxcls.eval.roc``).
 """
@@ -94,11 +95,14 @@ def kfold_accuracy(dist: np.ndarray, issame: np.ndarray, nrof_folds: int = 10):
     return np.asarray(accs), np.asarray(best)
 
 
-def evaluate(embeddings: np.ndarray, issame: np.ndarray, nrof_folds: int = 10) -> dict:
-    """``embeddings [2N, D]`` (already flip-summed, any norm) in pair order → metrics dict (``roc_metrics``' too)."""
-    embeddings = np.asarray(embeddings, np.float64)
-    xnorm = float(np.linalg.norm(embeddings, axis=1).mean())
-    e = l2_normalize(embeddings)
+def evaluate(views: np.ndarray, issame: np.ndarray, nrof_folds: int = 10) -> dict:
+    """``views [V, 2P, D]`` (``embed_views``: each image's embedding, and with ``V = 2`` its mirror's; any norm) in
+    pair order → metrics dict (``roc_metrics``' too). The pairs are scored on the views' sum, L2-normalized."""
+    views = np.asarray(views, np.float64)
+    if views.ndim != 3:
+        raise ValueError(f"expected views [V, 2P, D], got shape {views.shape}")
+    xnorm = float(np.linalg.norm(views, axis=-1).mean())  # every view's norm alone, insightface's XNorm
+    e = l2_normalize(views.sum(0))
     dist = np.sum((e[0::2] - e[1::2]) ** 2, axis=1)
     accs, thresholds = kfold_accuracy(dist, np.asarray(issame, bool), nrof_folds)
     mean_direction = e.mean(0)
@@ -118,17 +122,25 @@ def pair_cosines(normalized: np.ndarray) -> np.ndarray:
     return np.sum(normalized[0::2] * normalized[1::2], axis=1)
 
 
+def embed_views(embed_fn, images: np.ndarray, batch_size: int, flip: bool = True) -> np.ndarray:
+    """``embed_fn(uint8 [B, S, S, 3]) -> [B, D]`` over ``images [N, S, S, 3]`` in batches of ``batch_size`` (the
+    last one padded, so one compiled program serves all) → ``[V, N, D]``: the images' embeddings and, with ``flip``
+    (``V = 2``), their mirrors'."""
+    views = []
+    for mirror in (False, True)[:1 + flip]:
+        out = []
+        for start in range(0, len(images), batch_size):
+            chunk = images[start:start + batch_size]
+            pad = batch_size - len(chunk)
+            if pad:
+                chunk = np.concatenate([chunk, np.repeat(chunk[-1:], pad, 0)])
+            if mirror:
+                chunk = np.ascontiguousarray(chunk[:, :, ::-1])
+            out.append(np.asarray(embed_fn(chunk))[:batch_size - pad])
+        views.append(np.concatenate(out))
+    return np.stack(views)
+
+
 def embed_in_batches(embed_fn, images: np.ndarray, batch_size: int, flip: bool = True) -> np.ndarray:
-    """``embed_fn(uint8 [B, S, S, 3]) -> [B, D]`` over ``images`` in batches of ``batch_size`` (the last one padded,
-    so one compiled program serves all); with ``flip`` each image's and its mirror's embeddings summed."""
-    out = []
-    for start in range(0, len(images), batch_size):
-        chunk = images[start:start + batch_size]
-        pad = batch_size - len(chunk)
-        if pad:
-            chunk = np.concatenate([chunk, np.repeat(chunk[-1:], pad, 0)])
-        emb = np.asarray(embed_fn(chunk))
-        if flip:
-            emb = emb + np.asarray(embed_fn(np.ascontiguousarray(chunk[:, :, ::-1])))
-        out.append(emb[:batch_size - pad] if pad else emb)
-    return np.concatenate(out)
+    """``embed_views`` summed: ``[N, D]``, with ``flip`` each image's and its mirror's embeddings added."""
+    return embed_views(embed_fn, images, batch_size, flip).sum(0)
