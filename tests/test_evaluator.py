@@ -41,6 +41,20 @@ def test_sets_are_the_bins_and_the_generated_heldout_pairs(tmp_path, run_and_sta
     assert eval_sets(config, None)[0][0] == "mini"
 
 
+def test_two_sets_of_one_name_are_refused_before_either_is_read(tmp_path, run_and_state):
+    """Results are keyed by a set's name: a second ``lfw.bin`` (or a ``heldout.bin`` beside the generated pairs)
+    would overwrite the first's. Neither file exists: nothing is read before the refusal."""
+    run, _ = run_and_state
+    first, second = tmp_path / "a" / "lfw.bin", tmp_path / "b" / "lfw.bin"
+    with pytest.raises(ValueError, match=rf"two verification sets are named 'lfw' \({first} and {second}\)"):
+        eval_sets(tiny_config(eval_bins=(str(first), str(second))), None)
+    heldout = tmp_path / "heldout.bin"
+    with pytest.raises(ValueError, match=rf"named 'heldout' \({heldout} and the data source's held-out pairs\)"):
+        eval_sets(tiny_config(eval_bins=(str(heldout),)), run.source)
+    with pytest.raises(FileNotFoundError):  # without the generated pairs, heldout.bin is a name like any other
+        eval_sets(tiny_config(eval_bins=(str(heldout),)), None)
+
+
 def test_embeddings_use_running_statistics(run_and_state):
     """In eval mode an image's embedding does not depend on the rest of the batch (BatchNorm uses its running
     statistics), and the batch is padded up to a multiple of the devices."""

@@ -50,10 +50,10 @@ def evaluate(workdir: Path) -> dict:
     if FLAGS.bin:
         config.eval_bins = tuple(FLAGS.bin)
     run = build(config, with_data=False)
+    evaluator = Evaluator(run)  # its sets read (or refused) before the checkpoint is
     checkpoints = RunCheckpoints(workdir / "checkpoints", config.keep_checkpoints)
     state, _ = checkpoints.restore(run.abstract_state, FLAGS.step)
     step = int(state["step"])
-    evaluator = Evaluator(run)
     embeddings = evaluator.embeddings(state)
     results = evaluator.metrics(embeddings)
     if jax.process_index() == 0:

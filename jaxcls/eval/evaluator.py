@@ -25,11 +25,18 @@ log = logging.getLogger("jaxcls")
 
 
 def eval_sets(config, source) -> list[tuple[str, np.ndarray, np.ndarray]]:
-    """``(name, uint8 images [2P, S, S, 3], issame [P])`` for every configured verification set."""
-    sets = [(Path(p).stem, *load_bin(p, config.data.input_size)) for p in config.eval_bins]
+    """``(name, uint8 images [2P, S, S, 3], issame [P])`` for every configured verification set, named by its
+    file's stem; two sets of one name are refused before any is read (their results would share keys)."""
+    size = config.data.input_size
+    loaders = [(Path(p).stem, str(p), functools.partial(load_bin, p, size)) for p in config.eval_bins]
     if hasattr(source, "heldout_pairs"):
-        sets.append(("heldout", *source.heldout_pairs()))
-    return sets
+        loaders.append(("heldout", "the data source's held-out pairs", source.heldout_pairs))
+    for i, (name, where, _) in enumerate(loaders):
+        clash = [other for n, other, _ in loaders[:i] if n == name]
+        if clash:
+            raise ValueError(f"two verification sets are named {name!r} ({clash[0]} and {where}): their results "
+                             f"would be logged under one name; rename one .bin file")
+    return [(name, *load()) for name, _, load in loaders]
 
 
 class Evaluator:
