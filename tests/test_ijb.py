@@ -235,3 +235,15 @@ def test_missing_and_unreadable_faces_are_all_reported_before_anything_is_embedd
                                         rf"was embedded\): \S*{names[1]}: \[Errno 2\] No such file.*; \S*{names[-1]}: "
                                         r"cannot identify image file"):
         run(root, "IJBC", onnx=tmp_path / "unused.onnx", progress=False)
+
+
+def test_a_run_without_one_model_is_refused_before_the_protocol_is_read(tmp_path, monkeypatch):
+    """No ``--workdir`` and no ``--onnx`` (or both, or a step with an .onnx): the reason, before IJB-C's 470k image
+    headers are read."""
+    monkeypatch.setattr("jaxcls.eval.ijb.read_protocol", lambda *a: pytest.fail("the protocol was read"))
+    with pytest.raises(ValueError, match="^give exactly one of a run's workdir or an .onnx file$"):
+        run(tmp_path, "IJBC", progress=False)
+    with pytest.raises(ValueError, match="^give exactly one of"):
+        run(tmp_path, "IJBC", workdir=tmp_path, onnx=tmp_path / "m.onnx", progress=False)
+    with pytest.raises(ValueError, match="^a checkpoint step goes with a workdir"):
+        run(tmp_path, "IJBC", onnx=tmp_path / "m.onnx", step=3, progress=False)

@@ -27,7 +27,7 @@ from jaxcls.data.images import decode_image, read_image_header
 from jaxcls.errors import DataError
 from jaxcls.eval.roc import far_key, roc_metrics, unmeasurable
 from jaxcls.eval.verification import l2_normalize
-from jaxcls.interop.inference import embed_images, open_embedder
+from jaxcls.interop.inference import check_model_choice, embed_images, open_embedder
 from jaxcls.reporting import configure_logging, run_cli
 
 FARS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
@@ -198,6 +198,7 @@ def evaluate(protocol: Protocol, face_features: np.ndarray, norm_score: bool = T
 def run(root, target, *, workdir=None, onnx=None, step=None, out=None, flip=True, norm_score=True,
         detector_score=True, batch_size=256, progress=True) -> dict:
     """The CLI as a function: prints the table, writes ``out`` (JSON) and ``<out>.scores.npy``; returns the JSON."""
+    check_model_choice(workdir, onnx, step)
     protocol = read_protocol(root, target)
     check_images(protocol)
     out = Path(out or (Path(workdir) if workdir else Path(onnx).parent) / f"ijb_{target.lower()}.json")

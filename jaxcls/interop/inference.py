@@ -123,11 +123,16 @@ class OnnxEmbedder:
 def open_embedder(workdir: str | os.PathLike | None = None, onnx: str | os.PathLike | None = None,
                   step: int | None = None):
     """An ``Embedder`` of run ``workdir`` or an ``OnnxEmbedder`` of file ``onnx`` (exactly one of the two)."""
+    check_model_choice(workdir, onnx, step)
+    return Embedder(workdir, step) if onnx is None else OnnxEmbedder(onnx)
+
+
+def check_model_choice(workdir, onnx, step) -> None:
+    """``open_embedder``'s arguments name one model: a CLI checks them before it reads its images."""
     if (workdir is None) == (onnx is None):
         raise ValueError("give exactly one of a run's workdir or an .onnx file")
     if onnx is not None and step is not None:
         raise ValueError("a checkpoint step goes with a workdir; an .onnx file holds one model")
-    return Embedder(workdir, step) if onnx is None else OnnxEmbedder(onnx)
 
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
