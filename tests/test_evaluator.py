@@ -82,3 +82,16 @@ def test_metrics_and_collapse_warning(run_and_state, caplog):
                                                           "tar@far=1e-02")}  # 300 impostor pairs: FAR ≥ 1/300
     assert 0.0 <= results["val/heldout/accuracy"] <= 1.0 and results["val/heldout/xnorm"] > 0
     assert "embedding collapse on heldout" in caplog.text
+
+
+def test_non_finite_embeddings_are_warned_of_and_their_set_is_nan(run_and_state, caplog):
+    run, _ = run_and_state
+    views = np.random.default_rng(2).normal(size=(2, 20, 32))
+    views[0, 3] = np.nan
+    log.addHandler(caplog.handler)
+    try:
+        results = Evaluator(run).metrics({"lfw": (views, np.arange(10) % 2 == 0)})
+    finally:
+        log.removeHandler(caplog.handler)
+    assert results["val/lfw/non_finite"] == 1 and np.isnan(results["val/lfw/accuracy"])
+    assert "lfw: 1 of its 20 images have non-finite embeddings" in caplog.text

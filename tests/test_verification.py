@@ -50,6 +50,15 @@ def test_pairs_are_scored_on_the_views_sum_and_xnorm_is_insightfaces(rng):
     assert {k: v for k, v in out.items() if k != "xnorm"} == {k: v for k, v in summed.items() if k != "xnorm"}
 
 
+def test_a_non_finite_embedding_makes_every_metric_nan_and_is_counted(rng):
+    views = rng.normal(size=(2, 40, 8))
+    views[1, 7, 3], views[0, 7, 0], views[0, 20, 5] = np.inf, np.nan, np.nan  # images 7 and 20
+    out = evaluate(views, rng.random(20) < 0.5)
+    assert out.pop("non_finite") == 2 and set(out) == {"accuracy", "accuracy_std", "best_threshold", "xnorm",
+                                                       "mean_cosine"}
+    assert all(np.isnan(v) for v in out.values())
+
+
 def test_flip_sum_pads_last_batch():
     images = np.arange(5 * 2 * 2 * 3, dtype=np.uint8).reshape(5, 2, 2, 3)
     calls = []

@@ -70,11 +70,15 @@ class Evaluator:
         return self.metrics(self.embeddings(state))
 
     def metrics(self, embeddings: dict) -> dict:
-        """``{'val/<set>/<metric>': value}`` of ``embeddings(state)``; warns on collapse."""
+        """``{'val/<set>/<metric>': value}`` of ``embeddings(state)``; warns on collapse and on non-finite
+        embeddings (whose set's metrics are NaN)."""
         out = {}
         for name, (views, issame) in embeddings.items():
             result = evaluate(views, issame)
             out.update({f"val/{name}/{k}": v for k, v in result.items()})
+            if "non_finite" in result:
+                log.warning("%s: %d of its %d images have non-finite embeddings (an overflow in the compute dtype, "
+                            "or diverged weights); its metrics are NaN", name, result["non_finite"], views.shape[1])
             if result["mean_cosine"] > self.config.collapse_warning:
                 log.warning("embedding collapse on %s: eval embeddings have mean cosine %.2f (accuracy %.3f); "
                             "try CosFace or a smaller margin, a lower lr or a longer warmup",

@@ -11,6 +11,7 @@ pairs can resolve; ``jaxcls.eval.roc``).
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -97,10 +98,16 @@ def kfold_accuracy(dist: np.ndarray, issame: np.ndarray, nrof_folds: int = 10):
 
 def evaluate(views: np.ndarray, issame: np.ndarray, nrof_folds: int = 10) -> dict:
     """``views [V, 2P, D]`` (``embed_views``: each image's embedding, and with ``V = 2`` its mirror's; any norm) in
-    pair order → metrics dict (``roc_metrics``' too). The pairs are scored on the views' sum, L2-normalized."""
+    pair order → metrics dict (``roc_metrics``' too). The pairs are scored on the views' sum, L2-normalized. An
+    image with a non-finite embedding makes every metric NaN, with ``non_finite`` the count of such images: scored,
+    they would give made-up numbers (insightface's ``sklearn.preprocessing.normalize`` refuses them)."""
     views = np.asarray(views, np.float64)
     if views.ndim != 3:
         raise ValueError(f"expected views [V, 2P, D], got shape {views.shape}")
+    finite = np.isfinite(views).all(axis=(0, 2))
+    if not finite.all():
+        return {**dict.fromkeys(("accuracy", "accuracy_std", "best_threshold", "xnorm", "mean_cosine"), math.nan),
+                "non_finite": int((~finite).sum())}
     xnorm = float(np.linalg.norm(views, axis=-1).mean())  # every view's norm alone, insightface's XNorm
     e = l2_normalize(views.sum(0))
     dist = np.sum((e[0::2] - e[1::2]) ** 2, axis=1)
