@@ -1,6 +1,8 @@
 """Training sources by kind, each built from ``config.data`` (RecordIO's reader: test_recordio.py)."""
 
 import io
+import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,6 +30,32 @@ def test_image_folder_numbers_classes_in_name_order(tmp_path):
     assert ds.classes == ["apple", "mango", "zebra"] and ds.num_classes() == 3 and len(ds) == 6
     got = sorted((int(np.asarray(Image.open(io.BytesIO(ds.raw(i)[0])))[0, 0, 0]), ds.raw(i)[1]) for i in range(6))
     assert got == [(1, 2), (2, 2), (3, 0), (4, 1), (5, 1), (6, 1)]
+
+
+def test_image_folder_takes_torchvisions_images_at_any_depth_and_warns_of_other_files(tmp_path, caplog):
+    """torchvision's ``ImageFolder`` (arcface_torch's reader of folders) walks each class folder down, sorted
+    folder by folder, and takes its nine suffixes in any case; nothing of it is dropped, other files are counted."""
+    files = {"a/x.jpg": 1, "a/sub/y.JPG": 2, "a/sub/deeper/z.png": 3, "a/w.ppm": 4, "b/v.tif": 5, "b/u.pgm": 6,
+             "b/t.webp": 7, "b/s.tiff": 8, "b/r.bmp": 9, "b/q.jpeg": 10}
+    for name, value in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        fmt = {".jpg": "JPEG", ".jpeg": "JPEG", ".ppm": "PPM", ".pgm": "PPM", ".tif": "TIFF", ".tiff": "TIFF",
+               ".webp": "WEBP", ".bmp": "BMP", ".png": "PNG"}[Path(name).suffix.lower()]
+        image = Image.fromarray(np.full((8, 8, 3), value * 20, np.uint8))
+        image.convert("L").save(tmp_path / name, fmt) if name.endswith(".pgm") else image.save(tmp_path / name, fmt)
+    (tmp_path / "a" / "sub" / "notes.txt").write_text("not an image")
+    (tmp_path / "b" / "anim.gif").write_bytes(b"GIF89a")
+    log = logging.getLogger("jaxcls")
+    log.addHandler(caplog.handler)
+    try:
+        ds = ImageFolder(tmp_path)
+    finally:
+        log.removeHandler(caplog.handler)
+    order = ["a/w.ppm", "a/x.jpg", "a/sub/y.JPG", "a/sub/deeper/z.png",
+             "b/q.jpeg", "b/r.bmp", "b/s.tiff", "b/t.webp", "b/u.pgm", "b/v.tif"]  # sorted os.walk, as torchvision
+    assert [f.relative_to(tmp_path).as_posix() for f in ds.files] == order
+    assert ds.labels().tolist() == [0] * 4 + [1] * 6 and [ds.raw(i)[1] for i in range(10)] == ds.labels().tolist()
+    assert f"{tmp_path}: 2 files in the class folders are not images by their suffix and are not used" in caplog.text
 
 
 def test_image_folder_errors(tmp_path):

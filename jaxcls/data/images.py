@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import os
 import re
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -17,6 +18,20 @@ try:  # libjpeg-turbo that releases the GIL while it decodes; without it Pillow 
     import simplejpeg
 except ImportError:
     simplejpeg = None
+
+
+# the files torchvision's ImageFolder (arcface_torch's reader of image folders) takes as images
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
+def image_files(folder: str | os.PathLike) -> tuple[list[Path], list[Path]]:
+    """``(images, others)``: the files under ``folder`` at any depth (links followed), in torchvision's order
+    (sorted folders, each one's sorted names), split by ``IMAGE_SUFFIXES`` (any case)."""
+    images, others = [], []
+    for parent, _, names in sorted(os.walk(folder, followlinks=True)):
+        for name in sorted(names):
+            (images if name.lower().endswith(IMAGE_SUFFIXES) else others).append(Path(parent) / name)
+    return images, others
 
 
 # Pillow's decompression-bomb limit (it warns above, refuses twice this): a 9,459² image, 268 MB of RGB pixels

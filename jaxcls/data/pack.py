@@ -4,7 +4,7 @@
     python -m jaxcls.data.pack --images train.tsv --out OUT      # path<TAB>label lines
     python -m jaxcls.data.pack --images REC --classes 0:750 --out OUT   # some identities of a RecordIO folder
 
-A folder's classes are numbered in sorted name order (as ``jaxcls.data.sources.ImageFolder`` does); a list holds
+A folder is read as ``jaxcls.data.sources.ImageFolder`` (torchvision's) reads it; a list holds
 ``path<TAB>label`` lines (PaddlePaddle PLSC's label files; relative paths start at the list's folder, blank lines
 are skipped) whose labels must be ``0 … K−1`` with every one used. A RecordIO folder (``train.rec``, ``train.idx``)
 is read as ``jaxcls.data.recordio.MXFaceDataset`` reads it; ``--classes A:B`` keeps identities ``A … B−1`` of any
@@ -39,10 +39,9 @@ from jaxcls.errors import DataError
 
 
 def folder_images(root: str | os.PathLike) -> tuple[list[Path], list[int]]:
-    """``root/<class>/<image>`` → (image paths, labels), classes numbered in sorted name order."""
+    """``root/<class>/…/<image>`` → (image paths, labels) as ``ImageFolder`` reads them."""
     folder = ImageFolder(root)
-    label = {name: k for k, name in enumerate(folder.classes)}
-    return folder.files, [label[f.parent.name] for f in folder.files]
+    return folder.files, folder.labels().tolist()
 
 
 def listed_images(path: str | os.PathLike) -> tuple[list[Path], list[int]]:

@@ -9,20 +9,24 @@ one by kind.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
 import numpy as np
 
+from jaxcls.data.images import IMAGE_SUFFIXES, image_files
 from jaxcls.data.recordio import MXFaceDataset
 from jaxcls.errors import DataError
 from jaxcls.registry import lookup
 
-IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp"}
+log = logging.getLogger("jaxcls")
 
 
 class ImageFolder:
-    """``root/<class>/<image>``; classes numbered in sorted name order."""
+    """``root/<class>/…/<image>``, as torchvision's ``ImageFolder`` reads it (arcface_torch's reader of folders):
+    classes numbered in sorted name order, each class's images at any depth below it (``images.image_files``);
+    other files are counted in a warning."""
 
     generated = False
 
@@ -35,14 +39,18 @@ class ImageFolder:
         classes = sorted(p.name for p in root.iterdir() if p.is_dir())
         if not classes:
             raise ValueError(f"{root}: no class folders")
-        self.files, labels = [], []
+        self.files, labels, others = [], [], []
         for label, name in enumerate(classes):
-            for f in sorted((root / name).iterdir()):
-                if f.suffix.lower() in IMAGE_SUFFIXES:
-                    self.files.append(f)
-                    labels.append(label)
+            images, other = image_files(root / name)
+            self.files += images
+            labels += [label] * len(images)
+            others += other
         if not self.files:
-            raise ValueError(f"{root}: no images in {len(classes)} class folders")
+            raise ValueError(f"{root}: no images in {len(classes)} class folders (looked for "
+                             f"{', '.join(IMAGE_SUFFIXES)})")
+        if others:
+            log.warning("%s: %d files in the class folders are not images by their suffix and are not used, e.g. %s",
+                        root, len(others), others[0])
         self._labels, self.classes = np.asarray(labels), classes
 
     def __len__(self):
@@ -56,6 +64,10 @@ class ImageFolder:
 
     def where(self, i):
         return str(self.files[i])
+
+    def labels(self) -> np.ndarray:
+        """Every image's class."""
+        return self._labels
 
     def num_classes(self):
         return len(self.classes)

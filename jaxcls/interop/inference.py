@@ -23,6 +23,7 @@ from flax import nnx
 
 from jaxcls.checkpoint import CheckpointError, RunCheckpoints
 from jaxcls.config import from_json
+from jaxcls.data.images import IMAGE_SUFFIXES, image_files
 from jaxcls.data.pipeline import normalize, to_image
 from jaxcls.data.recordio import MXFaceDataset
 from jaxcls.errors import DataError
@@ -135,16 +136,13 @@ def check_model_choice(workdir, onnx, step) -> None:
         raise ValueError("a checkpoint step goes with a workdir; an .onnx file holds one model")
 
 
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
-
-
 def image_source(spec: str | os.PathLike, size: int) -> tuple[list[str], list[Callable[[], np.ndarray]]]:
     """``(names, loaders)`` of the images of a folder (recursively, by suffix), a ``.rec`` file (with its ``.idx``)
     or a text file listing one image path per line (relative to the list's folder); ``loaders[i]()`` returns
     uint8 ``[size, size, 3]`` RGB or raises ``DataError``/``OSError`` naming the image."""
     path = Path(spec)
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+        files = image_files(path)[0]
         names = [p.relative_to(path).as_posix() for p in files]
     elif path.suffix == ".rec":
         data = MXFaceDataset(path.parent, path.stem)
