@@ -102,6 +102,38 @@ def test_some_identities_of_a_recordio_folder_are_repacked_numbered_from_zero(tm
     assert [payload_header(ds, k)[4] for k in (4, 5)] == [(1.0, 3.0), (3.0, 4.0)]  # each identity's keys
 
 
+def test_a_rec_file_is_read_itself_not_its_folders_train_rec(tmp_path):
+    root, images = folder(tmp_path)
+    main(["--images", str(root), "--out", str(tmp_path / "in")])
+    for suffix in (".rec", ".idx"):  # beside a train.rec of other images
+        (tmp_path / "in" / f"train{suffix}").rename(tmp_path / "in" / f"other{suffix}")
+    (tmp_path / "one" / "z").mkdir(parents=True)
+    (tmp_path / "one" / "z" / "q.jpg").write_bytes(encoded(9))
+    main(["--images", str(tmp_path / "one"), "--out", str(tmp_path / "in")])
+    main(["--images", str(tmp_path / "in" / "other.rec"), "--out", str(tmp_path / "out")])
+    ds = MXFaceDataset(tmp_path / "out")  # other.rec's 5 images, not train.rec's one
+    assert [ds.raw(i)[1] for i in range(len(ds))] == [0, 0, 1, 1, 2] and ds.raw(4)[0] == images["c", "z.jpeg"]
+
+
+def test_past_float32s_whole_numbers_the_file_has_no_header_and_reads_back_whole(tmp_path, monkeypatch):
+    """A header holds ``N+K+1`` as a float32: past 2^24 it would round and drop or add images. With the limit
+    lowered to 8, 5 images of 3 classes (5 + 3 + 1 = 9) are written as records 0..4, no header, no identities."""
+    root, images = folder(tmp_path)
+    monkeypatch.setattr("jaxcls.data.pack.FLOAT32_EXACT", 8)
+    pack_images(*folder_images(root), tmp_path / "out")
+    ds = MXFaceDataset(tmp_path / "out")
+    assert ds.keys.tolist() == [0, 1, 2, 3, 4] and ds.header_classes is None and ds.num_classes() == 3
+    assert [ds.raw(i)[1] for i in range(5)] == [0, 0, 1, 1, 2] and ds.raw(2)[0] == images["b", "0.jpg"]
+    assert [payload_header(ds, k)[:4] for k in range(5)] == [(0, float(y), k, 0) for k, y in
+                                                             enumerate([0, 0, 1, 1, 2])]
+    monkeypatch.setattr("jaxcls.data.pack.FLOAT32_EXACT", 9)  # exactly representable: the header is written
+    pack_images(*folder_images(root), tmp_path / "exact")
+    assert MXFaceDataset(tmp_path / "exact").header_classes == 3
+    monkeypatch.setattr("jaxcls.data.pack.FLOAT32_EXACT", 2)
+    with pytest.raises(ValueError, match="3 classes; a record's label is a float32, exact for at most 2"):
+        pack_images(*folder_images(root), tmp_path / "classes")
+
+
 @pytest.mark.parametrize("classes, message", [("2:1", "expected A:B with 0 <= A < B"), ("1", "expected A:B"),
                                               ("a:b", "expected A:B"), ("\u00b2:3", "expected A:B"),
                                               ("1:4", "the input has identities 0..2 only")])
@@ -110,6 +142,13 @@ def test_a_bad_class_range_is_named(tmp_path, classes, message):
     with pytest.raises(SystemExit, match=f"^error: --classes '?{classes}'?: {message}"):
         main(["--images", str(root), "--classes", classes, "--out", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
+
+
+def test_a_class_range_without_images_is_named(tmp_path):
+    root, _ = folder(tmp_path)
+    (root / "aa").mkdir()  # an empty class folder: identity 1
+    with pytest.raises(SystemExit, match=r"^error: --classes 1:2: the input has no images of identities 1..1$"):
+        main(["--images", str(root), "--classes", "1:2", "--out", str(tmp_path / "out")])
 
 
 def test_the_command_line(tmp_path):

@@ -6,13 +6,17 @@
 
 A folder is read as ``jaxcls.data.sources.ImageFolder`` (torchvision's) reads it; a list holds
 ``path<TAB>label`` lines (PaddlePaddle PLSC's label files; relative paths start at the list's folder, blank lines
-are skipped) whose labels must be ``0 … K−1`` with every one used. A RecordIO folder (``train.rec``, ``train.idx``)
-is read as ``jaxcls.data.recordio.MXFaceDataset`` reads it; ``--classes A:B`` keeps identities ``A … B−1`` of any
-input, numbered ``0 … B−A−1`` (a model pretrained on some identities, fine-tuned on others).
+are skipped) whose labels must be ``0 … K−1`` with every one used. A RecordIO folder (``train.rec``,
+``train.idx``), or a ``.rec`` file with its ``.idx``, is read as ``jaxcls.data.recordio.MXFaceDataset`` reads it;
+``--classes A:B`` keeps identities ``A … B−1`` of any input, numbered ``0 … B−A−1`` (a model pretrained on some
+identities, fine-tuned on others).
 
 The files are what insightface's tools write and ``MXFaceDataset`` reads: record 0 is a header (``flag = 2``, labels
 ``(N+1, N+K+1)``); records ``1 … N`` are the images sorted by label (a class's images in their listed order), each
 ``IRHeader(0, label, key, 0)`` + the image; records ``N+1 … N+K`` give each identity's keys ``(first, last + 1)``.
+A header's labels are float32, whole numbers exact up to 2^24: past ``N+K+1 = 2^24`` (WebFace42M's size) the file has
+no header and no identity records, records ``0 … N−1`` are the images, and both insightface's reader and
+``MXFaceDataset`` take every key of the ``.idx`` as an image.
 ``property`` is ``K,H,W`` (the first image's size). Every image is decoded once to check it. JPEG files are stored
 byte for byte; any other format is encoded as JPEG at ``--quality`` (default 95), since the JPEG path is what the
 training pipeline decodes fastest (libjpeg-turbo, and straight at a reduced scale).
@@ -36,6 +40,9 @@ from jaxcls.data.images import decode_image
 from jaxcls.data.recordio import MXFaceDataset, pack, write_records
 from jaxcls.data.sources import ImageFolder
 from jaxcls.errors import DataError
+
+
+FLOAT32_EXACT = 2**24  # the largest of the whole numbers a float32 label holds exactly, from 0 on
 
 
 def folder_images(root: str | os.PathLike) -> tuple[list[Path], list[int]]:
@@ -73,9 +80,9 @@ class RecordImage(NamedTuple):
         return self.dataset.where(self.index)
 
 
-def record_images(root: str | os.PathLike) -> tuple[list[RecordImage], list[int]]:
-    """A RecordIO folder → (its images, their labels)."""
-    dataset = MXFaceDataset(root)
+def record_images(root: str | os.PathLike, name: str = "train") -> tuple[list[RecordImage], list[int]]:
+    """``root/<name>.rec`` (with its ``.idx``) → (its images, their labels)."""
+    dataset = MXFaceDataset(root, name)
     return [RecordImage(dataset, i) for i in range(len(dataset))], dataset.labels().tolist()
 
 
@@ -89,6 +96,8 @@ def keep_classes(files: list, labels: list[int], classes: str) -> tuple[list, li
         held = f"identities 0..{max(labels)}" if labels else "no images"
         raise ValueError(f"--classes {classes}: the input has {held} only")
     kept = [i for i, label in enumerate(labels) if first <= label < end]
+    if not kept:
+        raise ValueError(f"--classes {classes}: the input has no images of identities {first}..{end - 1}")
     return [files[i] for i in kept], [labels[i] - first for i in kept]
 
 
@@ -126,17 +135,22 @@ def pack_images(files: list[Path], labels: list[int], out: str | os.PathLike, qu
     if (out / "train.rec").exists():
         raise FileExistsError(f"{out / 'train.rec'} exists: remove it or choose another --out")
     n, num_classes = len(files), check_labels(labels, where)
+    if num_classes > FLOAT32_EXACT:
+        raise ValueError(f"{where}: {num_classes:,} classes; a record's label is a float32, exact for at most "
+                         f"{FLOAT32_EXACT:,}")
+    headed = n + num_classes + 1 <= FLOAT32_EXACT  # else no header: every record an image (see the module)
     order = np.argsort(labels, kind="stable")
     ends = np.cumsum(np.bincount(labels, minlength=num_classes)) + 1  # one past each class's last key
     sizes = []
 
     def records():
-        yield 0, pack([n + 1, n + num_classes + 1], b"", ids=(0, 1))
-        for key, i in enumerate(tqdm.tqdm(order, desc="packing", unit="img", disable=None), 1):
+        if headed:
+            yield 0, pack([n + 1, n + num_classes + 1], b"", ids=(0, 1))
+        for key, i in enumerate(tqdm.tqdm(order, desc="packing", unit="img", disable=None), int(headed)):
             data, size = stored_image(files[i], quality)
             sizes.append(size)
             yield key, pack(labels[i], data, ids=(key, 0))
-        for k, end in enumerate(ends):
+        for k, end in enumerate(ends if headed else []):
             start = ends[k - 1] if k else 1
             yield n + 1 + k, pack([start, end], b"", ids=(n + 1 + k, 0))
 
@@ -155,7 +169,7 @@ def pack_images(files: list[Path], labels: list[int], out: str | os.PathLike, qu
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m jaxcls.data.pack", description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", required=True,
-                        help="a folder DIR/<class>/<image>, a path<TAB>label list, a RecordIO folder or its train.rec")
+                        help="a folder DIR/<class>/<image>, a path<TAB>label list, a RecordIO folder or a .rec file")
     parser.add_argument("--classes", help="A:B keeps identities A..B-1 only, numbered 0..B-A-1")
     parser.add_argument("--out", required=True, help="the folder to write train.rec, train.idx and property into")
     parser.add_argument("--quality", type=int, default=95, help="JPEG quality for images that are not JPEG (1-100)")
@@ -166,9 +180,9 @@ def main(argv: list[str] | None = None) -> None:
         if not Path(args.images).exists():
             raise FileNotFoundError(f"{args.images}: no such folder or list")
         source = Path(args.images)
-        if source.suffix == ".rec":  # train.rec given for its folder
-            source = source.parent
-        if not source.is_dir():
+        if source.suffix == ".rec":  # the file itself, with the .idx beside it
+            files, labels = record_images(source.parent, source.stem)
+        elif not source.is_dir():
             files, labels = listed_images(source)
         elif (source / "train.rec").exists():
             files, labels = record_images(source)
