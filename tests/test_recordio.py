@@ -1,6 +1,9 @@
 """The RecordIO reader against the real glyphs files and against files written here in every layout."""
 
+import copy
+import gc
 import io
+import pickle
 import struct
 from pathlib import Path
 
@@ -57,6 +60,20 @@ def test_no_header_plain_im2rec(tmp_path):
     ds = MXFaceDataset(write_records(tmp_path, {k: pack(float(k), jpeg(k)) for k in range(5)}))
     assert len(ds) == 5 and ds.header_classes is None and ds.num_classes() == 5
     np.testing.assert_array_equal(ds[2][0], np.asarray(Image.open(io.BytesIO(jpeg(2))).convert("RGB")))
+
+
+def test_a_copy_in_the_same_process_reads_its_own_file_after_the_original_is_gone(tmp_path):
+    """A pickled (or deep-copied) dataset shares the process id, not the descriptor's lifetime: once the original
+    is collected its descriptor closes and the number can name another file; the copy opens its own."""
+    ds = MXFaceDataset(write_records(tmp_path, {k: pack(float(k), jpeg(k)) for k in range(3)}))
+    copies = [pickle.loads(pickle.dumps(ds)), copy.deepcopy(ds)]
+    del ds
+    gc.collect()
+    with open(tmp_path / "other.txt", "w+b") as other:  # likely takes the freed descriptor's number
+        other.write(b"not a record file at all" * 4)
+        other.flush()
+        for clone in copies:
+            assert [clone.raw(i)[1] for i in range(3)] == [0, 1, 2]
 
 
 def test_multi_float_labels_use_the_first(tmp_path):

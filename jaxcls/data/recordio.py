@@ -86,6 +86,9 @@ class RecordFile:
         self.size = os.path.getsize(self.path)
         self._fd, self._pid = None, None
 
+    def __getstate__(self):  # a copy opens its own descriptor: this one's closes when this object goes
+        return {**self.__dict__, "_fd": None, "_pid": None}
+
     def _read(self, offset: int, n: int, where) -> bytes:
         if offset + n > self.size:
             raise DataError(f"{location(where)}: truncated record: {n} bytes wanted at byte offset {offset}, "
