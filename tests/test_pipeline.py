@@ -3,6 +3,8 @@
 import functools
 import io
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import grain
@@ -199,6 +201,19 @@ def test_a_label_outside_the_classes_is_named(tmp_path):
     with pytest.raises(DataError, match=r"^label 7 of \S*train.rec \(key 12, .idx line 13, byte offset \d+\) is "
                                         r"outside \[0, 4\)"):
         epoch(batches(source, rows=(0, 4), global_batch=4, num_classes=4))
+
+
+@pytest.mark.slow  # a Python process and a Grain worker process
+def test_worker_processes_start_from_python_where_no_cli_parsed_absl_flags():
+    """``train(config, workdir)`` from a notebook with ``data.workers > 0``: Grain's workers read absl flags."""
+    script = ("from jaxcls.data.pipeline import HostBatches\n"
+              "from jaxcls.data.sources import ProceduralGlyphs\n"
+              "if __name__ == '__main__':\n"
+              "    source = ProceduralGlyphs(num_classes=4, images_per_class=2, size=16)\n"
+              "    images, labels = next(HostBatches(source, global_batch=4, rows=(0, 4), size=16, seed=0, workers=1))\n"
+              "    print(images.shape, sorted(labels.tolist()) != [])\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "(4, 16, 16, 3) True" in done.stdout, done.stderr[-3000:]
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
 from PIL import Image
 
 from jaxcls.data.augment import Augment, flip_coins
@@ -201,6 +202,8 @@ class HostBatches:
         # elements are whole host batches: one per thread in flight, and one ready
         it = ds.to_iter_dataset(grain.ReadOptions(num_threads=self.threads, prefetch_buffer_size=self.threads + 1))
         if self.workers > 0:
+            if not flags.FLAGS.is_parsed():  # Grain's workers read absl flags, parsed by the CLIs, not from Python
+                flags.FLAGS.mark_as_parsed()
             it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.workers))
         self.iterator = iter(it)
 
