@@ -210,7 +210,8 @@ def test_worker_processes_start_from_python_where_no_cli_parsed_absl_flags():
               "from jaxcls.data.sources import ProceduralGlyphs\n"
               "if __name__ == '__main__':\n"
               "    source = ProceduralGlyphs(num_classes=4, images_per_class=2, size=16)\n"
-              "    images, labels = next(HostBatches(source, global_batch=4, rows=(0, 4), size=16, seed=0, workers=1))\n"
+              "    batches = HostBatches(source, global_batch=4, rows=(0, 4), size=16, seed=0, workers=1)\n"
+              "    images, labels = next(batches)\n"
               "    print(images.shape, sorted(labels.tolist()) != [])\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "(4, 16, 16, 3) True" in done.stdout, done.stderr[-3000:]
