@@ -17,6 +17,8 @@ from absl import app, flags
 from absl import logging as absl_logging
 from tqdm import tqdm
 
+from jaxcls.errors import DataError
+
 log = logging.getLogger("jaxcls")
 
 
@@ -155,7 +157,8 @@ class MetricsWriter:
     """``metrics.jsonl`` plus TensorBoard scalars (when tensorboardX is installed), process 0 only.
 
     ``resumed_step``: rows past it (written by a run that went on after its last checkpoint) are dropped,
-    so the file holds every step once.
+    so the file holds every step once; so is a torn last row (a process stopped while writing it), with a warning.
+    A row before the last that is not JSON is a ``DataError`` naming its line.
     """
 
     def __init__(self, workdir: Path, resumed_step: int = 0):
@@ -165,7 +168,7 @@ class MetricsWriter:
             return
         path = workdir / "metrics.jsonl"
         if path.exists():
-            rows = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= resumed_step]
+            rows = [line for line, row in read_rows(path) if row["step"] <= resumed_step]
             path.write_text("".join(row + "\n" for row in rows))
         self.file = open(path, "a")
         self.tb = tensorboard_writer(workdir / "tensorboard")
@@ -185,6 +188,21 @@ class MetricsWriter:
             self.file.close()
         if self.tb:
             self.tb.close()
+
+
+def read_rows(path: Path) -> list[tuple[str, dict]]:
+    """``(line, row)`` of each JSON row of ``path``; a torn last line is left out with a warning."""
+    lines = path.read_text().splitlines()
+    rows = []
+    for number, line in enumerate(lines, 1):
+        try:
+            rows.append((line, json.loads(line)))
+        except json.JSONDecodeError as e:
+            if number < len(lines):
+                raise DataError(f"{path}:{number}: not a JSON row ({e}): {line[:80]!r}") from None
+            log.warning("%s:%d: a torn last row (its process stopped while writing it) is dropped: %r", path,
+                        number, line[:80])
+    return rows
 
 
 def tensorboard_writer(logdir: Path):

@@ -8,8 +8,10 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import pytest
 from absl import logging as absl_logging
 
+from jaxcls.errors import DataError
 from jaxcls.reporting import MetricsWriter, Progress, configure_logging, log
 
 
@@ -24,6 +26,22 @@ def test_metrics_rows_past_the_restored_step_are_dropped(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
     assert any((tmp_path / "tensorboard").iterdir())
+
+
+def test_a_torn_last_row_is_dropped_and_a_bad_row_before_it_is_named(tmp_path, caplog):
+    """A process killed while writing leaves a torn last row: every later resume would fail to read the file."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 2.0}\n{"step": 3, "lo')
+    log.addHandler(caplog.handler)
+    try:
+        MetricsWriter(tmp_path, resumed_step=2).close()
+    finally:
+        log.removeHandler(caplog.handler)
+    assert path.read_text() == '{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 2.0}\n'
+    assert "metrics.jsonl:3: a torn last row (its process stopped while writing it) is dropped" in caplog.text
+    path.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "lo\n{"step": 3, "loss": 3.0}\n')
+    with pytest.raises(DataError, match=r"metrics.jsonl:2: not a JSON row \(.*\): '\{\"step\": 2, \"lo'$"):
+        MetricsWriter(tmp_path, resumed_step=3)
 
 
 def scalars(logdir):
