@@ -199,10 +199,18 @@ def resume_differences(saved, config) -> list[str]:
             new = get_key(config, key)
         except (KeyError, AttributeError):
             new = "(absent)"
-        plain = lambda v: list(v) if isinstance(v, (list, tuple)) else v.to_dict() if hasattr(v, "to_dict") else v
         if plain(old) != plain(new):
             differences.append(f"{key}: {plain(old)!r} → {plain(new)!r}")
     return differences
+
+
+def plain(value):
+    """``value`` as its JSON reads back, at any depth: tuples as lists, config dicts as dicts."""
+    if hasattr(value, "to_dict"):
+        value = value.to_dict()
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    return [plain(v) for v in value] if isinstance(value, (list, tuple)) else value
 
 
 # (key, its registry, what the error calls it): every named choice of a config

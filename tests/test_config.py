@@ -170,6 +170,13 @@ def test_resume_refuses_what_changes_the_model_data_or_optimizer():
         "batch_size: 32 → 64", "lr: 0.1 → 0.2", "model: 'r18' → 'r34'",
         "model_kwargs: {'stages': [1, 1, 1, 2], 'width': 8} → {'stages': [1, 1, 1, 2], 'width': 32}",
         "num_features: 32 → 64", "seed: 0 → 1"]
+    tuples = tiny_config()  # a free-form dict's tuple (IResNet's documented stages) is a list once saved as JSON
+    tuples.model_kwargs = {"width": 8, "stages": (1, 1, 1, 2)}
+    assert isinstance(tuples.model_kwargs.stages, tuple)
+    assert resume_differences(from_json(tuples.to_json_best_effort()), tuples) == []
+    tuples.model_kwargs = {"width": 8, "stages": (1, 1, 2, 2)}
+    assert resume_differences(saved, tuples) == [
+        "model_kwargs: {'stages': [1, 1, 1, 2], 'width': 8} → {'stages': [1, 1, 2, 2], 'width': 8}"]
     moved = tiny_config(mesh_data=2, class_axes="class", eval_every=5, ckpt_every=7, chunk_size=0, remat="full")
     moved.data.root, moved.data.threads = "/elsewhere", 1
     assert resume_differences(saved, moved) == []
