@@ -119,9 +119,11 @@ def check_num_classes(saved: int, expected: int) -> None:
 class RunCheckpoints:
     """``directory/<step>/{state,data}``: the train state (any mesh on restore) and the data position (JSON)."""
 
-    def __init__(self, directory: str | os.PathLike, keep: int):
+    def __init__(self, directory: str | os.PathLike, keep: int, read_only: bool = False):
+        """``read_only``: another run's checkpoints, read and never written (no folder made where there is none)."""
         self.directory = Path(directory).absolute()
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True)
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True,
+                                               create=not read_only, read_only=read_only)
         self.manager = ocp.CheckpointManager(
             self.directory, options=options,
             item_handlers={"state": _handler(), "data": ocp.JsonCheckpointHandler()})

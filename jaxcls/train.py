@@ -67,10 +67,12 @@ def _train(run, workdir: Path, checkpoints: RunCheckpoints, stop: StopRequests, 
            init_from, init_fc):
     config = run.config
     resuming = check_resumable(run, workdir, checkpoints)
+    if init_from and not resuming:
+        check_init_from(run, init_from, init_fc)
+    evaluate = Evaluator(run)  # its sets read (or refused) before the compile
     step_fn = compile_fitting_step(run)
     state, batches = start(run, workdir, checkpoints, resuming, init_from, init_fc)
     start_step = int(state["step"])
-    evaluate = Evaluator(run)  # compiled before the barrier
     distributed.barrier("train step compiled")  # every process starts stepping together
     writer, sharding = MetricsWriter(workdir, resumed_step=start_step), batch_sharding(run.mesh)
     end = config.total_steps if stop_after is None else min(stop_after, config.total_steps)
@@ -159,16 +161,34 @@ def start(run, workdir: Path, checkpoints: RunCheckpoints, resuming: bool, init_
     return state, batches
 
 
-def initialized_from(run, state: dict, source: str, with_fc: bool) -> dict:
-    """``state`` with the backbone (and the FC weight if ``with_fc``) of run ``source`` = ``WORKDIR[:STEP]``."""
+def check_init_from(run, source: str, with_fc: bool) -> None:
+    """Cheap checks of ``--init_from WORKDIR[:STEP]`` (and ``--init_fc``), before anything is compiled: a run's
+    checkpoint there (of ``STEP`` if given) and, for the FC, this run's class count (``CheckpointError``)."""
     directory, _, step = source.partition(":")
-    other = RunCheckpoints(Path(directory) / "checkpoints", keep=1)
-    parts = ("params", "stats") + (("weight",) if with_fc else ())
+    if step and not step.isdigit():
+        raise ValueError(f"--init_from {source}: expected WORKDIR or WORKDIR:STEP with a step number")
+    if not (Path(directory) / "checkpoints").is_dir():
+        raise CheckpointError(f"--init_from {source}: {Path(directory).absolute()} holds no run's checkpoints")
+    other = RunCheckpoints(Path(directory) / "checkpoints", keep=1, read_only=True)
+    steps = other.manager.all_steps()
+    other.close()
+    if not steps or (step and int(step) not in steps):
+        held = f"only steps {sorted(steps)}" if steps else "no checkpoint"
+        raise CheckpointError(f"--init_from {source}: {Path(directory).absolute()} holds {held}")
     if with_fc:
         classes = from_json((Path(directory) / "config.json").read_text()).num_classes
         if classes != run.config.num_classes:
             raise CheckpointError(f"--init_fc: {directory} has an FC of {classes} classes, this run "
                                   f"{run.config.num_classes}")
+
+
+def initialized_from(run, state: dict, source: str, with_fc: bool) -> dict:
+    """``state`` with the backbone (and the FC weight if ``with_fc``) of run ``source`` = ``WORKDIR[:STEP]``
+    (``check_init_from``)."""
+    check_init_from(run, source, with_fc)
+    directory, _, step = source.partition(":")
+    other = RunCheckpoints(Path(directory) / "checkpoints", keep=1, read_only=True)
+    parts = ("params", "stats") + (("weight",) if with_fc else ())
     restored, _ = other.restore(run.abstract_state, int(step) if step else None, parts=parts)
     other.close()
     log.info("initialized %s from %s", " and ".join(parts), source)

@@ -114,6 +114,23 @@ def test_resume_is_strict_and_init_from_takes_another_runs_backbone(tmp_path, mo
         initialized_from(wider, {}, "runs/relative", with_fc=False)
 
 
+def test_a_bad_init_from_or_a_missing_eval_set_stops_the_run_before_it_compiles(tmp_path, monkeypatch):
+    """Cheap inputs are checked before the train step is compiled, and another run's folder is never written."""
+    monkeypatch.setattr("jaxcls.train.compile_fitting_step", lambda run: pytest.fail("the train step was compiled"))
+    (tmp_path / "typo").mkdir()
+    with pytest.raises(CheckpointError, match=rf"^--init_from {tmp_path}/typo: {tmp_path}/typo holds no run's "
+                                              r"checkpoints$"):
+        train(tiny_config(), tmp_path / "new", progress=False, init_from=str(tmp_path / "typo"))
+    assert not any((tmp_path / "typo").iterdir())
+    (tmp_path / "typo" / "checkpoints").mkdir()
+    with pytest.raises(CheckpointError, match=r"typo holds no checkpoint$"):
+        train(tiny_config(), tmp_path / "new", progress=False, init_from=f"{tmp_path / 'typo'}:3")
+    with pytest.raises(ValueError, match=r"expected WORKDIR or WORKDIR:STEP with a step number$"):
+        train(tiny_config(), tmp_path / "new", progress=False, init_from=f"{tmp_path / 'typo'}:last")
+    with pytest.raises(FileNotFoundError, match="missing.bin"):
+        train(tiny_config(eval_bins=(str(tmp_path / "missing.bin"),)), tmp_path / "new", progress=False)
+
+
 def test_divergence_stops_the_run_and_no_checkpoint_is_ever_non_finite(tmp_path, caplog):
     c = tiny_config(lr=1e8, clip_grad_norm=0.0, max_bad_steps=3, total_steps=40, ckpt_every=1, keep_checkpoints=40)
     log.addHandler(caplog.handler)
