@@ -14,6 +14,7 @@ import json
 import os
 
 import ml_collections
+import numpy as np
 from absl import flags
 from ml_collections import config_flags
 
@@ -143,6 +144,7 @@ def define_config_flag(values: flags.FlagValues = flags.FLAGS) -> None:
                                     flag_values=values, lock_config=False, accept_new_attributes=True)
 
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 # (dotted key, predicate, the rule in words): every numeric key's range
 RANGES = [(key, rule, words) for keys, rule, words in [
     (("lr",), lambda v: v > 0, "> 0"),
@@ -150,7 +152,9 @@ RANGES = [(key, rule, words) for keys, rule, words in [
     (("weight_decay", "clip_grad_norm", "warmup_steps", "chunk_size", "data.workers", "margin.m"),
      lambda v: v >= 0, ">= 0"),
     (("lr_power",), lambda v: v >= 0, ">= 0"),
-    (("margin.s", "loss_scale.initial"), lambda v: v > 0, "> 0"),
+    (("margin.s",), lambda v: v > 0, "> 0"),
+    (("loss_scale.initial",), lambda v: 0 < v <= FLOAT32_MAX, f"in (0, {FLOAT32_MAX:.4g}] (a float32)"),
+    (("seed",), lambda v: 0 <= v < 2**31 - 1, "in [0, 2**31 - 1) (an int32, as is seed + 1)"),
     (("num_classes", "num_features", "batch_size", "accum_steps", "total_steps", "mesh_data", "eval_every",
       "eval_batch_size", "log_every", "ckpt_every", "keep_checkpoints", "max_bad_steps", "data.input_size",
       "data.threads", "loss_scale.growth_interval"), lambda v: v >= 1, ">= 1"),

@@ -101,6 +101,18 @@ def test_every_numeric_key_is_range_checked(key, rule, words):
     pytest.fail(f"no out-of-range value tried for {key}")
 
 
+def test_the_seed_and_the_loss_scale_are_checked_at_their_upper_ends():
+    """The seed is an int32 argument of the initializer, as is seed + 1; the loss scale a float32."""
+    for key, good, bad in [("seed", 2**31 - 2, 2**31 - 1), ("loss_scale.initial", 2.0**127, 1e39)]:
+        c = base_config()
+        node, leaf = (c, key) if "." not in key else (c.loss_scale, "initial")
+        node[leaf] = good
+        validate(c, num_devices=1)
+        node[leaf] = bad
+        with pytest.raises(ValueError, match=rf"^{re.escape(key)} must be in .*, got {re.escape(str(bad))}$"):
+            validate(c, num_devices=1)
+
+
 def test_bad_records_policy_is_checked():
     c = base_config()
     c.data.bad_records = "sometimes"
