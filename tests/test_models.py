@@ -81,6 +81,16 @@ def test_parameter_count_and_output_shape(name):
         assert out.shape == (2, 128) and out.dtype == jnp.float32
 
 
+@pytest.mark.parametrize("name, smallest, words", [("r18", 16, "an IResNet halves four times"),
+                                                    ("mbf", 16, "a MobileFaceNet halves four times"),
+                                                    ("vit_t", 9, "of a ViT's patch")])
+def test_an_input_smaller_than_the_last_feature_map_is_refused(name, smallest, words):
+    """Below it the last feature map has no pixel (an IResNet's FC had 0 inputs: a ZeroDivisionError)."""
+    nnx.eval_shape(lambda: get_model(name, num_features=8, input_size=smallest))
+    with pytest.raises(ValueError, match=rf"^input_size {smallest - 1} is below the {smallest} pixels {words}"):
+        nnx.eval_shape(lambda: get_model(name, num_features=8, input_size=smallest - 1))
+
+
 def test_an_iresnets_stages_set_its_depth_and_bad_ones_are_refused():
     """``stages`` overrides the name's blocks per stage: an r50 with r34's stages is an r34; a stage of one block has
     no stack of identical ones."""

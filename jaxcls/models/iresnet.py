@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxcls.models.layers import BatchNorm, BlockStack, PReLU, conv, remat_call, tag_block_output
+from jaxcls.models.layers import BatchNorm, BlockStack, PReLU, conv, reduced_size, remat_call, tag_block_output
 
 STAGES = {"r18": (2, 2, 2, 2), "r34": (3, 4, 6, 3), "r50": (3, 4, 14, 3), "r100": (3, 13, 30, 3),
           "r200": (6, 26, 60, 6)}
@@ -64,7 +64,7 @@ class IResNet(nnx.Module):
         self.firsts, self.rests = nnx.List(firsts), nnx.List(rests)
         self.bn2 = BatchNorm(in_ch, dtype=dtype, groups=bn_groups)
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
-        spatial = input_size // 16
+        spatial = reduced_size(input_size, 16, "an IResNet halves four times")
         self.fc = nnx.Linear(in_ch * spatial * spatial, num_features, dtype=jnp.float32, rngs=rngs)
         self.features = BatchNorm(num_features, dtype=jnp.float32, use_scale=False, groups=bn_groups)
 

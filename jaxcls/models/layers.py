@@ -32,6 +32,13 @@ _BN_BACKWARD = Forms("BatchNorm backward", BN_BACKWARDS)
 bn_backward_forced = _BN_BACKWARD.forced
 
 
+def reduced_size(input_size: int, factor: int, what: str) -> int:
+    """``input_size // factor``, the side a backbone's last feature map has; refused where it would be 0."""
+    if input_size < factor:
+        raise ValueError(f"input_size {input_size} is below the {factor} pixels {what}")
+    return input_size // factor
+
+
 class PReLU(nnx.Module):
     """Per-channel PReLU (torch ``nn.PReLU(num_parameters=C)``), slopes initialised to 0.25; applied by the
     BatchNorm before it (``bn(x, prelu)``), which fuses it into its backward."""

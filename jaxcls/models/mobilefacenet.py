@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxcls.models.layers import BatchNorm, PReLU, conv, remat_call, tag_block_output
+from jaxcls.models.layers import BatchNorm, PReLU, conv, reduced_size, remat_call, tag_block_output
 
 
 class ConvBlock(nnx.Module):
@@ -58,7 +58,7 @@ class MobileFaceNet(nnx.Module):
         self.layers = nnx.List(layers)
         head = dict(kw, dtype=jnp.float32)
         self.conv_sep = ConvBlock(c2, 512, **head)
-        spatial = input_size // 16
+        spatial = reduced_size(input_size, 16, "a MobileFaceNet halves four times")
         self.gdc = ConvBlock(512, 512, spatial, 1, 0, groups=512, linear=True, **head)
         self.linear = nnx.Linear(512, num_features, use_bias=False, rngs=rngs)
         self.features = BatchNorm(num_features, dtype=jnp.float32, groups=bn_groups)

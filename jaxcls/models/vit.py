@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxcls.models.layers import ACTIVATIONS, BatchNorm, remat_call, tag_block_output
+from jaxcls.models.layers import ACTIVATIONS, BatchNorm, reduced_size, remat_call, tag_block_output
 
 _INIT = nnx.initializers.truncated_normal(0.02)
 SIZES = {"vit_t": (256, 12, 8), "vit_s": (512, 12, 8), "vit_b": (512, 24, 8), "vit_l": (768, 24, 8),
@@ -59,7 +59,7 @@ class VisionTransformer(nnx.Module):
         """``bn_groups``: see ``BatchNorm`` (the head's two; LayerNorm needs no batch statistics)."""
         self.dtype, self.remat, self.mask_ratio, self.rngs = dtype, remat, mask_ratio, rngs
         self.patch = patch
-        self.tokens = (input_size // patch) ** 2
+        self.tokens = reduced_size(input_size, patch, "of a ViT's patch") ** 2
         self.patch_embed = nnx.Conv(3, dim, (patch, patch), (patch, patch), padding="VALID", dtype=dtype, rngs=rngs)
         self.pos_embed = nnx.Param(_INIT(rngs.params(), (1, self.tokens, dim)))
         self.mask_token = nnx.Param(_INIT(rngs.params(), (1, 1, dim)))
