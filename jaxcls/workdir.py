@@ -2,8 +2,9 @@
 
 The trainer holds it while it runs (process 0 of a multi-process run) and ``jaxcls.eval`` while it writes.
 The file names its holder (host, pid, start time, command) and is touched every ``REFRESH`` seconds. A lock
-is stale, and is taken over with a warning, when its holder is a dead process on this host, or, for a
-holder on another host, when it has not been touched for ``STALE_AFTER`` seconds.
+is stale, and is taken over with a warning, when its holder is a dead process on this host (or its pid now
+names a process that started after the lock: a restarted container reuses pids), or, for a holder on another
+host, when it has not been touched for ``STALE_AFTER`` seconds.
 """
 
 from __future__ import annotations
@@ -34,6 +35,25 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _started(pid: int) -> float | None:
+    """When process ``pid`` started, in seconds since the epoch (Linux's ``/proc``); None where unknown."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: clock ticks after boot
+    except (OSError, IndexError, StopIteration, ValueError):
+        return None
+
+
+def _holds(holder: dict) -> bool:
+    """Whether the process ``holder`` names (on this host) is alive and is the one that took the lock: not a later
+    process given its pid (``started`` is rounded to the boot time's second, hence the slack)."""
+    pid = int(holder.get("pid", -1))
+    started = _started(pid)
+    return _alive(pid) and (started is None or started <= float(holder.get("started", 0)) + 2)
+
+
 def describe(holder: dict) -> str:
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
     return f"{holder.get('what', '?')} pid {holder.get('pid')} on {holder.get('host')} since {started}"
@@ -58,7 +78,7 @@ class WorkdirLock:
         except (FileNotFoundError, json.JSONDecodeError):
             return None  # gone, or half-written by a holder that died while creating it
         if holder.get("host") == self.holder["host"]:
-            return holder if _alive(int(holder.get("pid", -1))) else None
+            return holder if _holds(holder) else None
         return holder if time.time() - touched < STALE_AFTER else None
 
     def acquire(self) -> str | None:

@@ -34,6 +34,22 @@ def test_a_second_program_is_refused_naming_the_holder_until_it_ends(tmp_path):
     assert not (tmp_path / "lock").exists()
 
 
+def test_a_pid_taken_by_a_later_process_does_not_hold_the_lock(tmp_path):
+    """After a kill -9, a restarted container on the same host name can give the next trainer the dead holder's pid:
+    the lock names a process that started before this one, so it is stale."""
+    lock = {"what": "jaxcls.train", "host": socket.gethostname(), "pid": os.getpid(), "started": time.time() - 3600}
+    if workdir._started(os.getpid()) is None:
+        pytest.skip("no /proc to read a process's start time from")
+    (tmp_path / "lock").write_text(json.dumps(lock))
+    taker = WorkdirLock(tmp_path, "train")
+    assert taker.acquire().startswith(f"took over the stale lock of jaxcls.train pid {os.getpid()}")
+    taker.release()
+    (tmp_path / "lock").write_text(json.dumps({**lock, "started": time.time()}))  # this process took it: alive
+    with pytest.raises(WorkdirLocked, match=f"in use by jaxcls.train pid {os.getpid()}"):
+        WorkdirLock(tmp_path, "train").acquire()
+    assert abs(workdir._started(os.getpid()) - time.time()) < 24 * 3600  # a real start time, not 0 or garbage
+
+
 def test_a_holder_on_another_host_counts_while_it_refreshes_the_lock(tmp_path):
     (tmp_path / "lock").write_text(json.dumps({"what": "jaxcls.train", "host": "node-17", "pid": 1, "started": 0}))
     with pytest.raises(WorkdirLocked, match="jaxcls.train pid 1 on node-17"):
