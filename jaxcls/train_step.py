@@ -88,7 +88,9 @@ class TrainStep:
 
         With ``accum_steps > 1`` the backbone runs micro-batch by micro-batch, forward only (keeping just
         the embeddings); the gradient function runs each micro-batch's forward again under ``jax.vjp``, so
-        activations of one micro-batch at a time are held and the update equals one full-batch step.
+        activations of one micro-batch at a time are held. The update equals one full-batch step's where
+        BatchNorm's statistics do not depend on the batch's split (each micro-batch normalizes by its own
+        rows while training, as with arcface_torch's gradient accumulation).
         """
 
         def forward(params, stats, images):
