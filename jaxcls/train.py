@@ -88,8 +88,9 @@ def _train(run, workdir: Path, checkpoints: RunCheckpoints, stop: StopRequests, 
             checkpoints.check()  # a save that failed in the background stops the run now
             evaluating = step % config.eval_every == 0 or step == config.total_steps
             if evaluating or step % config.log_every == 0:  # an eval step writes a row whatever the log cadence
-                last = logged_metrics(jax.device_get(metrics), step, row_step, config, time.perf_counter() - tick,
-                                      bad.total, batches.bad_records)
+                host_metrics = jax.device_get(metrics)  # BadSteps has seen the steps before this one
+                last = logged_metrics(host_metrics, step, row_step, config, time.perf_counter() - tick,
+                                      bad.total + (not host_metrics["finite"]), batches.bad_records)
                 if evaluating:
                     last.update(evaluate(state))
                 writer.write(step, last)
@@ -234,8 +235,8 @@ _finite_parts = jax.jit(lambda state: {k: all_finite(v) for k, v in state.items(
 
 def logged_metrics(metrics: dict, step: int, row_step: int, config, seconds: float, skipped: int,
                    bad_records: int) -> dict:
-    """The row of ``metrics.jsonl`` for ``step``, ``seconds`` after the previous row (at ``row_step``); warns on a
-    bad step."""
+    """The row of ``metrics.jsonl`` for ``step``, ``seconds`` after the previous row (at ``row_step``), ``skipped``
+    the steps skipped up to this one (since this process started the run); warns on a bad step."""
     row = {k: float(metrics[k]) for k in ("loss", "lr", "grad_norm", "loss_scale")}
     row.update(img_per_s=(step - row_step) * config.batch_size / seconds, skipped_steps=skipped)
     if config.data.bad_records == "skip":

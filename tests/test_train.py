@@ -137,13 +137,16 @@ def test_divergence_stops_the_run_and_no_checkpoint_is_ever_non_finite(tmp_path,
     try:
         with pytest.raises(Diverged, match=r"stopped at step (\d+): 3 steps in a row had a non-finite loss, gradient "
                                            r"or update \(lr [\d.e+]+, grad norm \S+, loss .*\) and were skipped; "
-                                           r"last good checkpoint: .*checkpoints/\d+$"):
+                                           r"last good checkpoint: .*checkpoints/\d+$") as stopped:
             train(c, tmp_path, progress=False)
     finally:
         log.removeHandler(caplog.handler)
-    assert "non-finite loss, gradient or update; update skipped" in caplog.text
+    warned = set(re.findall(r"step (\d+): non-finite loss, gradient or update; update skipped", caplog.text))
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert rows[-1]["skipped_steps"] >= 2 and rows[0]["skipped_steps"] == 0
+    # a row per step, each counting the skipped steps up to and including its own
+    assert rows[-1]["step"] == int(re.search(r"stopped at step (\d+)", str(stopped.value))[1])
+    assert [r["skipped_steps"] for r in rows] == [sum(int(s) <= r["step"] for s in warned) for r in rows]
+    assert rows[-1]["skipped_steps"] >= 3 and rows[0]["skipped_steps"] == 0
     series = RunCheckpoints(tmp_path / "checkpoints", keep=40)
     run = build(c)
     assert series.manager.all_steps()
