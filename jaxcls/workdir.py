@@ -9,6 +9,7 @@ host, when it has not been touched for ``STALE_AFTER`` seconds.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
@@ -84,6 +85,14 @@ class WorkdirLock:
     def acquire(self) -> str | None:
         """Take the lock; returns a warning line when a stale lock was taken over."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        folder = os.open(self.path.parent, os.O_RDONLY)
+        try:  # one starter at a time judges a lock and replaces a stale one (else two could both take it over)
+            fcntl.flock(folder, fcntl.LOCK_EX)
+            return self._acquire()
+        finally:
+            os.close(folder)
+
+    def _acquire(self) -> str | None:
         stale = None
         for _ in range(3):  # a race with another starter, or a stale lock removed in between
             try:

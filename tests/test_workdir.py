@@ -50,6 +50,25 @@ def test_a_pid_taken_by_a_later_process_does_not_hold_the_lock(tmp_path):
     assert abs(workdir._started(os.getpid()) - time.time()) < 24 * 3600  # a real start time, not 0 or garbage
 
 
+TAKE_OVER = ("import sys, time; from jaxcls import workdir; judge = workdir.WorkdirLock.holder_if_alive\n"
+             "def slow(self):  # a wide window between judging the lock stale and replacing it\n"
+             "    holder = judge(self); time.sleep(1.5); return holder\n"
+             "workdir.WorkdirLock.holder_if_alive = slow\n"
+             "try:\n"
+             "    workdir.WorkdirLock(sys.argv[1], 'train').acquire(); print('acquired', flush=True); time.sleep(3)\n"
+             "except workdir.WorkdirLocked as e:\n"
+             "    print('refused', flush=True)\n")
+
+
+def test_two_starters_on_a_stale_lock_do_not_both_take_it_over(tmp_path):
+    (tmp_path / "lock").write_text(json.dumps({"what": "jaxcls.train", "host": socket.gethostname(), "pid": 2**22 + 1,
+                                               "started": 0}))  # above Linux's largest pid: dead
+    starters = [subprocess.Popen([sys.executable, "-c", TAKE_OVER, str(tmp_path)], stdout=subprocess.PIPE,
+                                 text=True) for _ in range(2)]
+    outcomes = sorted(p.communicate(timeout=120)[0].strip() for p in starters)
+    assert outcomes == ["acquired", "refused"]
+
+
 def test_a_holder_on_another_host_counts_while_it_refreshes_the_lock(tmp_path):
     (tmp_path / "lock").write_text(json.dumps({"what": "jaxcls.train", "host": "node-17", "pid": 1, "started": 0}))
     with pytest.raises(WorkdirLocked, match="jaxcls.train pid 1 on node-17"):
