@@ -66,6 +66,8 @@ def test_unknown_names_are_refused_before_any_data_is_opened(key, table, what, t
     (dict(warmup_steps=6), "warmup_steps 6 must be below total_steps 6"),
     (dict(num_classes=10), "num_classes 10 is smaller than the 64 classes in the data"),
     (dict(optimizer="adamw", fc_state_dtype="int8"), "adamw cannot keep its FC state in int8"),
+    (dict(optimizer="adamw", fc_dtype="float16"), "adamw cannot keep its FC state in float16 .*rounds to 0"),
+    (dict(optimizer="adamw", fc_state_dtype="float16"), "adamw cannot keep its FC state in float16"),
     (dict(fc_weight_rounding="stochastic"), "stochastic rounding is for a bfloat16 FC weight, not float32"),
     (dict(fc_dtype="float16", fc_weight_rounding="stochastic"), "for a bfloat16 FC weight, not float16"),
     (dict(fc_weight_rounding="up"), r"unknown FC weight rounding 'up'; choose one of \['nearest', 'stochastic'\]"),

@@ -64,6 +64,26 @@ def test_sparse_update_equals_optax_on_sampled_rows_and_leaves_others(mesh_shape
     assert int(new_state.count) == int(state.count) + 1
 
 
+@pytest.mark.parametrize("opt", [sgd(), sgd(state_dtype=jnp.int8), adamw()], ids=["sgd", "sgd int8", "adamw"])
+def test_a_fresh_state_is_its_own_arrays_so_a_step_can_donate_them(opt):
+    """Each slot (and each one-byte slot's scales) its own buffer: one array twice cannot be donated twice."""
+    state = opt.init(jnp.ones((16, 4), jnp.float32))
+    assert len({id(s) for s in state.slots}) == len(state.slots) == opt.num_slots * (2 if opt.state_dtype else 1)
+    step = jax.jit(partial(opt.update, mesh=make_mesh(1, 8)), donate_argnums=(0, 1))
+    new_w, _ = step(jnp.ones((16, 4), jnp.float32), state, None, jnp.ones((16, 4), jnp.float32), 0.1)
+    assert np.isfinite(np.asarray(new_w)).all()
+
+
+def test_adamw_refuses_a_state_its_second_moment_would_round_to_zero_in():
+    """In float16 ``(1 − b2)·g²`` underflows once ``|g| < 8e-3``: stored as 0, the next step is 65× too large."""
+    for dtype in (jnp.float16, jnp.int8):
+        with pytest.raises(ValueError, match=f"adamw cannot keep its FC state in {jnp.dtype(dtype).name}"):
+            adamw(state_dtype=dtype)
+    with pytest.raises(ValueError, match="adamw cannot keep its FC state in float16"):  # the weight's, by default
+        adamw().init(jnp.zeros((4, 2), jnp.float16))
+    adamw(state_dtype=jnp.bfloat16).init(jnp.zeros((4, 2), jnp.float16))
+
+
 @pytest.mark.parametrize("name,rounding", [("sgd", "nearest"), ("adamw", "nearest"), ("sgd", "stochastic")])
 def test_dense_update_equals_update_of_every_row(name, rounding, rng):
     """The same rows and, with stochastic rounding, the same bits: each row's class is found alike."""

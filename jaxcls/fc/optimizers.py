@@ -58,13 +58,18 @@ class SparseOptimizer(NamedTuple):
     rule: RowRule
     state_dtype: Any
     weight_rounding: str = "nearest"
+    check_state_dtype: Callable[[Any], None] = lambda dtype: None  # raises for a storage the rule cannot keep
 
     def init(self, weight: jax.Array) -> SparseState:
+        """Zero slots, each its own array (a step may donate them all)."""
         dtype = weight.dtype if self.state_dtype is None else jnp.dtype(self.state_dtype)
-        stored = (jnp.zeros_like(weight, dtype=dtype),)
-        if row_scaled(dtype):
-            stored += (jnp.zeros_like(weight[:, :1], dtype=jnp.float32),)
-        return SparseState(stored * self.num_slots, jnp.zeros((), jnp.int32))
+        self.check_state_dtype(dtype)
+        slots = []
+        for _ in range(self.num_slots):
+            slots.append(jnp.zeros_like(weight, dtype=dtype))
+            if row_scaled(dtype):
+                slots.append(jnp.zeros_like(weight[:, :1], dtype=jnp.float32))
+        return SparseState(tuple(slots), jnp.zeros((), jnp.int32))
 
     def update(self, weight: jax.Array, state: SparseState, rows: jax.Array | None, grads: jax.Array, lr, *,
                mesh: Mesh, class_axes=DEFAULT_CLASS_AXES) -> tuple[jax.Array, SparseState]:
@@ -215,12 +220,12 @@ def adamw(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: f
           state_dtype=None, weight_rounding: str = "nearest") -> SparseOptimizer:
     """AdamW (decoupled weight decay), as ``optax.adamw`` / ``torch.optim.AdamW``, on the sampled rows.
 
-    A one-byte ``state_dtype`` is refused: a linear 8-bit code rounds a row's small second moments to 0, whose
-    steps then blow up by ``1/eps``.
+    A one-byte or float16 state (``state_dtype``, or the weight's where None) is refused: a row's small second
+    moments round to 0 (in float16 ``(1 − b2)·g²`` is below its smallest subnormal once ``|g| < 8e-3``), and its
+    steps then blow up (65× torch's at gradients of 1e-4). bfloat16 has float32's range.
     """
-    if state_dtype is not None and row_scaled(state_dtype):
-        raise ValueError(f"adamw cannot keep its FC state in {jnp.dtype(state_dtype).name} (its second moment "
-                         "needs a float: use float32, bfloat16 or float16); one-byte states are for sgd's momentum")
+    if state_dtype is not None:
+        _check_adamw_state(state_dtype)
     check_weight_rounding(weight_rounding, None)
 
     def rule(w, slots, g, lr, count):
@@ -230,5 +235,11 @@ def adamw(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: f
         step = (mu / (1 - b1**t)) / (jnp.sqrt(nu / (1 - b2**t)) + eps)
         return w - lr * (step + weight_decay * w), (mu, nu)
 
-    return SparseOptimizer(2, rule, state_dtype, weight_rounding)
+    return SparseOptimizer(2, rule, state_dtype, weight_rounding, _check_adamw_state)
+
+
+def _check_adamw_state(dtype) -> None:
+    if row_scaled(dtype) or jnp.dtype(dtype) == jnp.float16:
+        raise ValueError(f"adamw cannot keep its FC state in {jnp.dtype(dtype).name} (its second moment rounds to 0 "
+                         "there: use float32 or bfloat16); one-byte and float16 states are for sgd's momentum")
 
