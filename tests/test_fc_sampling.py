@@ -19,6 +19,9 @@ def test_budget_rule():
     assert sample_budget(1000, 512, 0.1) == 512  # positives could fill 512 rows
     assert sample_budget(100, 512, 0.1) == 100
     assert sample_budget(1000, 64, 1.0) == 1000
+    # ⌈rate · C_local⌉ of the decimal rate, not of its float product (0.55 · 100 = 55.000000000000007)
+    assert [sample_budget(c, 1, rate) for c, rate in [(100, 0.55), (100, 0.07), (25, 0.28), (1500, 0.67),
+                                                       (93431, 0.1)]] == [55, 7, 7, 1005, 9344]
     for bad in (0.0, -0.1, 1.5):
         with pytest.raises(ValueError, match=rf"sample_rate must be in \(0, 1\], got {bad}"):
             sample_budget(1000, 64, bad)

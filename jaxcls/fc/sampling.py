@@ -50,7 +50,8 @@ def check_sample_rate(sample_rate: float) -> None:
 def sample_budget(c_local: int, global_batch: int, sample_rate: float) -> int:
     """Static per-shard number of sampled rows (see the module docstring)."""
     check_sample_rate(sample_rate)
-    return min(c_local, max(math.ceil(sample_rate * c_local), min(c_local, global_batch)))
+    share = math.ceil(round(sample_rate * c_local, 6))  # 0.55 · 100 is 55.000000000000007 in floats: 55, not 56
+    return min(c_local, max(share, min(c_local, global_batch)))
 
 
 def sample_classes(key: jax.Array, labels: jax.Array, *, mesh: Mesh, num_classes: int, num_rows: int,
