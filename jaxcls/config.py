@@ -81,7 +81,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.max_bad_steps = 20  # stop after this many consecutive steps with a non-finite loss or gradient (skipped)
     c.loss_scale = ml_collections.ConfigDict(dict(initial=2.0**16, growth_interval=100))
     # Evaluation, logging, checkpoints.
-    c.eval_bins = ()  # paths of verification .bin files; the procedural source adds its own pairs
+    c.eval_bins = ()  # verification .bin files: paths, or bare names found in data.root (as arcface_torch's
+    # val_targets are); the procedural source adds its own pairs
     c.eval_every = 200
     c.eval_batch_size = 256
     c.log_every = 50
@@ -281,7 +282,8 @@ def face_config(*, root, num_classes, num_images, epochs, model="r50", margin=("
     steps_per_epoch = num_images // batch
     c.total_steps = steps_per_epoch * epochs
     c.warmup_steps = steps_per_epoch * warmup_epochs
-    c.eval_bins = tuple(f"{root}/{name}.bin" for name in ("lfw", "cfp_fp", "agedb_30"))
+    c.lr_power = 1.0  # train_v2.py's PolynomialLRWarmup (the base config's 2 is its older train.py's PolyScheduler)
+    c.eval_bins = ("lfw.bin", "cfp_fp.bin", "agedb_30.bin")  # in data.root, wherever it is moved
     c.eval_every = 2000
     c.log_every = 50
     c.ckpt_every = 2000

@@ -13,6 +13,7 @@ from absl import flags
 
 from jaxcls.config import (NAMED_CHOICES, RANGES, RESUMABLE_KEYS, base_config, check_config_flags, check_keys,
                            define_config_flag, from_json, get_key, resume_differences, validate)
+from jaxcls.eval.evaluator import eval_bin_paths
 from jaxcls.fc import DEFAULT_CHUNK
 from jaxcls.run import build
 from tiny import get_config as tiny_config
@@ -30,6 +31,27 @@ def load(path):
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_every_shipped_config_is_valid(path):
     validate(load(path), num_devices=8)
+
+
+# arcface_torch's configs/<name>.py at insightface's HEAD: (margin, m, sample_rate, weight decay, global batch, lr,
+# warmup epochs, epochs); its train_v2.py decays the lr linearly after the warmup (PolynomialLRWarmup, power 1)
+ARCFACE_TORCH = {"ms1mv3_r50": ("arcface", 0.5, 1.0, 5e-4, 128 * 8, 0.1, 0, 20),
+                 "ms1mv3_mbf": ("arcface", 0.5, 1.0, 1e-4, 128 * 8, 0.1, 0, 40),
+                 "glint360k_r100": ("cosface", 0.4, 1.0, 1e-4, 128 * 8, 0.1, 0, 20),
+                 "wf42m_pfc02_32gpus_r50_bs4k": ("cosface", 0.4, 0.2, 5e-4, 128 * 32, 0.4, 2, 20)}
+
+
+@pytest.mark.parametrize("name", sorted(ARCFACE_TORCH))
+def test_a_face_recipe_is_arcface_torchs_config_of_its_name(name):
+    c = load(Path(__file__).resolve().parents[1] / "configs" / f"{name}.py")
+    margin, m, rate, decay, batch, lr, warmup, epochs = ARCFACE_TORCH[name]
+    steps = c.total_steps // epochs
+    assert (c.margin.name, c.margin.m, c.margin.s, c.sample_rate, c.weight_decay, c.batch_size, c.lr) == (
+        margin, m, 64.0, rate, decay, batch, lr)
+    assert (c.warmup_steps, c.total_steps, c.lr_power, c.optimizer, c.momentum) == (
+        warmup * steps, epochs * steps, 1.0, "sgd", 0.9)
+    c.data.root = "/data/elsewhere"  # the verification sets move with the data (arcface_torch's val_targets)
+    assert [str(p) for p in eval_bin_paths(c)] == [f"/data/elsewhere/{n}.bin" for n in ("lfw", "cfp_fp", "agedb_30")]
 
 
 def test_unknown_key():

@@ -39,6 +39,9 @@ def test_sets_are_the_bins_and_the_generated_heldout_pairs(tmp_path, run_and_sta
     assert (name, heldout) == ("mini", "heldout") and loaded.shape == (8, 16, 16, 3)  # resized to the input size
     assert issame.tolist() == [True, False, True, False]
     assert eval_sets(config, None)[0][0] == "mini"
+    bare = tiny_config(eval_bins=("mini.bin",))  # a bare name is in data.root, as arcface_torch's val_targets
+    bare.data.root = str(tmp_path)
+    assert eval_sets(bare, None)[0][1].shape == (8, 16, 16, 3)
 
 
 def test_two_sets_of_one_name_are_refused_before_either_is_read(tmp_path, run_and_state):

@@ -48,7 +48,7 @@ def evaluate(workdir: Path) -> dict:
     and writes the results; returns them (``val/<set>/<metric>`` keys)."""
     config = from_json((workdir / "config.json").read_text())
     if FLAGS.bin:
-        config.eval_bins = tuple(FLAGS.bin)
+        config.eval_bins = tuple(str(Path(b).absolute()) for b in FLAGS.bin)  # from here, not the run's data root
     run = build(config, with_data=False)
     evaluator = Evaluator(run)  # its sets read (or refused) before the checkpoint is
     checkpoints = RunCheckpoints(workdir / "checkpoints", config.keep_checkpoints)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from pathlib import Path
 
 import jax
@@ -24,11 +25,17 @@ from jaxcls.registry import lowered_for
 log = logging.getLogger("jaxcls")
 
 
+def eval_bin_paths(config) -> list[Path]:
+    """``config.eval_bins``: a bare file name is in ``data.root`` (as arcface_torch finds its ``val_targets``), any
+    other entry a path."""
+    return [Path(config.data.root) / p if os.path.basename(p) == p else Path(p) for p in config.eval_bins]
+
+
 def eval_sets(config, source) -> list[tuple[str, np.ndarray, np.ndarray]]:
     """``(name, uint8 images [2P, S, S, 3], issame [P])`` for every configured verification set, named by its
     file's stem; two sets of one name are refused before any is read (their results would share keys)."""
     size = config.data.input_size
-    loaders = [(Path(p).stem, str(p), functools.partial(load_bin, p, size)) for p in config.eval_bins]
+    loaders = [(p.stem, str(p), functools.partial(load_bin, p, size)) for p in eval_bin_paths(config)]
     if hasattr(source, "heldout_pairs"):
         loaders.append(("heldout", "the data source's held-out pairs", source.heldout_pairs))
     for i, (name, where, _) in enumerate(loaders):
