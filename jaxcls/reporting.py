@@ -78,7 +78,8 @@ def one_line(error: BaseException) -> str:
 
 
 def run_cli(main) -> None:
-    """``absl.app.run(main)`` for jaxcls's command-line programs: a bad flag or config key, and any exception
+    """``absl.app.run(main)`` for jaxcls's command-line programs: a bad flag or config key, a positional argument,
+    and any exception
     from ``main``, end the program with one line on stderr (exit status 2 for the command line, 1 for an
     error, an exception's own ``exit_code`` for an expected end); ``--verbosity=…`` shows the traceback.
     A Ctrl-C that ``main`` lets through exits with 130."""
@@ -87,7 +88,10 @@ def run_cli(main) -> None:
     def parse(argv):
         try:
             check_config_flags(argv)
-            return flags.FLAGS(argv)
+            rest = flags.FLAGS(argv)
+            if len(rest) > 1:  # no program takes positional arguments: a forgotten flag name is an error
+                raise ValueError(f"unexpected arguments {rest[1:]} (every input is a --flag)")
+            return rest
         except Exception as e:
             if any(a.startswith(("--verbosity", "-v")) for a in argv[1:]):
                 raise

@@ -248,8 +248,7 @@ def logged_metrics(metrics: dict, step: int, row_step: int, config, seconds: flo
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise ValueError(f"unexpected arguments {argv[1:]}")
+    del argv  # run_cli refuses positional arguments
     configure_logging(verbose=flags.FLAGS["verbosity"].present)
     f = flags.FLAGS
     apply_mem_fraction(f.config)  # before JAX starts a GPU backend

@@ -18,12 +18,9 @@ from jaxcls.reporting import configure_logging, run_cli
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise ValueError(f"unexpected arguments {argv[1:]}")
+    del argv  # run_cli refuses positional arguments
     f = flags.FLAGS
     count, target = f["devices"].value, f["target"].value
-    if count < 1:
-        raise ValueError(f"--devices must be >= 1, got {count}")
     device_memory = (parse_bytes(f["device-memory"].value) if f["device-memory"].value
                      else gpu_target.device_memory(target) if target != "cpu" else parse_bytes("80GiB"))
     configure_logging(verbose=f["verbosity"].present)
@@ -40,7 +37,7 @@ def define_flags():
     flags.DEFINE_enum("target", "cpu", TARGETS, "compile with XLA:CPU for simulated devices, or with XLA:GPU for "
                       "this GPU (needs JAX's CUDA plugin: pip install -e '.[plan-gpu]'; no GPU)")
     flags.DEFINE_integer("devices", 8, f"devices the run will have (GPUs: at most {gpu_target.GPUS_PER_HOST} on "
-                         f"one host, else hosts of {gpu_target.GPUS_PER_HOST})")
+                         f"one host, else hosts of {gpu_target.GPUS_PER_HOST})", lower_bound=1)
     flags.DEFINE_string("device-memory", None, "memory of one device, e.g. 80GiB, 24GB (default: the GPU target's, "
                         "80GiB for cpu)")
     flags.DEFINE_bool("max-classes", False, "also find the largest num_classes that fits")
