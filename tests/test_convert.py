@@ -294,11 +294,13 @@ def _with(config, **model_kwargs):
 @pytest.mark.slow  # whole backbones in PyTorch and XLA
 def test_cli_imports_a_pth_and_exports_it_back(tmp_path, torch):
     model, state, _ = converted("r18")
-    # a DataParallel model's file, written by torch
-    torch.save({f"module.{k}": v for k, v in model.state_dict().items()}, tmp_path / "backbone.pth")
+    # a DataParallel model's state dict in a checkpoint as arcface_torch writes it, written by torch
+    torch.save({"epoch": 3, "state_dict_backbone": {f"module.{k}": v for k, v in model.state_dict().items()}},
+               tmp_path / "checkpoint_gpu_0.pt")
     cli = lambda *args: subprocess.run([sys.executable, "-m", "jaxcls.convert", *map(str, args)], capture_output=True,
                                        text=True, timeout=600)
-    done = cli("--torch", tmp_path / "backbone.pth", "--model", "r18", "--workdir", tmp_path / "run")
+    done = cli("--torch", tmp_path / "checkpoint_gpu_0.pt", "--model", "r18", "--key", "state_dict_backbone",
+               "--workdir", tmp_path / "run")
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"wrote {tmp_path / 'run'}: arcface_torch r18 as jaxcls r18, 512-d embeddings, checkpoint 0" in done.stdout
 
@@ -329,12 +331,25 @@ def test_cli_imports_a_pth_and_exports_it_back(tmp_path, torch):
             assert np.array_equal(back[key].numpy(), value), key
 
     # errors name the file; a workdir with checkpoints is never written over
-    with pytest.raises(DataError, match=rf"^{tmp_path / 'backbone.pth'}: not the state dict of arcface_torch's r34 "
-                                        r"backbone: .* \(its keys are those of arcface_torch's r18 \(--model r18\)\)$"):
-        import_torch(tmp_path / "backbone.pth", "r34", tmp_path / "r34")
+    with pytest.raises(DataError, match=rf"^{tmp_path / 'checkpoint_gpu_0.pt'}: not the state dict of "
+                                        r"arcface_torch's r34 backbone: .* \(its keys are those of arcface_torch's r18 "
+                                        r"\(--model r18\)\)$"):
+        import_torch(tmp_path / "checkpoint_gpu_0.pt", "r34", tmp_path / "r34", key="state_dict_backbone")
     assert not (tmp_path / "r34").exists()
     with pytest.raises(CheckpointError, match=r"run already holds checkpoints \(step 0\): convert into a new workdir"):
         write_run(state, "r18", tmp_path / "run")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--to-torch", "out.pth", "--model", "r50", "--num_features", "128"],
+     "--model, --num_features go with --torch, not --to-torch"),
+    (["--torch", "in.pth", "--model", "r18", "--step", "3"], "--step goes with --to-torch, not --torch")])
+def test_the_cli_refuses_a_flag_of_the_other_direction(args, message, tmp_path):
+    """``--to-torch --model r50`` wrote the run's own r18 and ``--torch --step 3`` checkpoint 0, both silently."""
+    done = subprocess.run([sys.executable, "-m", "jaxcls.convert", *args, "--workdir", "run"], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 1 and f"error: {message}" in done.stderr, done.stderr[-2000:]
+    assert not (tmp_path / "run").exists() and not (tmp_path / "out.pth").exists()
 
 
 def test_import_torch_reads_the_file_and_names_it_in_errors(tmp_path):

@@ -108,7 +108,8 @@ def test_parameters_plain_dicts_and_checkpoints(torch, tmp_path, layout):
     path = save(torch, checkpoint, tmp_path / "checkpoint.pt", layout)
     assert_same(load_state_dict(path, key="state_dict_backbone"), model.state_dict(), torch)
     with pytest.raises(DataError, match="it holds state dicts under 'state_dict_backbone': pass "
-                                        "key='state_dict_backbone'") as error:
+                                        r"key='state_dict_backbone' \(--key state_dict_backbone on the command "
+                                        r"line\)") as error:
         load_state_dict(path)
     assert str(error.value).startswith(f"{path}: not a state dict")
     with pytest.raises(DataError, match="no entry 'model' at the top of the file .*'epoch', 'global_step'"):

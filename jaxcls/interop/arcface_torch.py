@@ -523,9 +523,11 @@ def write_run(state: Mapping[str, np.ndarray], name: str, workdir: str | os.Path
     return config
 
 
-def import_torch(path: str | os.PathLike, name: str, workdir: str | os.PathLike, num_features: int | None = None):
-    """``.pth`` file ``path`` (arcface_torch backbone ``name``'s state dict) → the jaxcls run ``workdir``."""
-    return write_run(load_state_dict(path), name, workdir, num_features, source=str(path))
+def import_torch(path: str | os.PathLike, name: str, workdir: str | os.PathLike, num_features: int | None = None,
+                 key: str | None = None):
+    """``.pth`` file ``path`` (arcface_torch backbone ``name``'s state dict, or its entry ``key``) → the jaxcls run
+    ``workdir``."""
+    return write_run(load_state_dict(path, key), name, workdir, num_features, source=str(path))
 
 
 def export_torch(workdir: str | os.PathLike, path: str | os.PathLike, step: int | None = None) -> tuple[int, str]:

@@ -312,8 +312,8 @@ def _pick(loaded, key: str | None, where: str) -> dict[str, _Tensor]:
         return loaded
     inner = [k for k, v in loaded.items() if _is_state_dict(v) and v] if isinstance(loaded, dict) else []
     raise DataError(f"{where}: not a state dict (names → tensors) but a {_kind_of(loaded)}"
-                    + (f"; it holds state dicts under {', '.join(map(repr, inner))}: pass key={inner[0]!r}"
-                       if inner else ""))
+                    + (f"; it holds state dicts under {', '.join(map(repr, inner))}: pass key={inner[0]!r} "
+                       f"(--key {inner[0]} on the command line)" if inner else ""))
 
 
 def _arrays(tensors: dict[str, _Tensor], file_size: int, where: str, read) -> dict[str, np.ndarray]:
