@@ -146,6 +146,7 @@ def define_config_flag(values: flags.FlagValues = flags.FLAGS) -> None:
 
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+MAX_CLASSES = 2**31 - 2**16  # labels and FC row indices are int32, with room for padding over 65,536 shards
 # (dotted key, predicate, the rule in words): every numeric key's range
 RANGES = [(key, rule, words) for keys, rule, words in [
     (("lr",), lambda v: v > 0, "> 0"),
@@ -156,7 +157,8 @@ RANGES = [(key, rule, words) for keys, rule, words in [
     (("margin.s",), lambda v: v > 0, "> 0"),
     (("loss_scale.initial",), lambda v: 0 < v <= FLOAT32_MAX, f"in (0, {FLOAT32_MAX:.4g}] (a float32)"),
     (("seed",), lambda v: 0 <= v < 2**31 - 1, "in [0, 2**31 - 1) (an int32, as is seed + 1)"),
-    (("num_classes", "num_features", "batch_size", "accum_steps", "total_steps", "mesh_data", "eval_every",
+    (("num_classes",), lambda v: 1 <= v <= MAX_CLASSES, f"in [1, {MAX_CLASSES:,}] (int32 labels)"),
+    (("num_features", "batch_size", "accum_steps", "total_steps", "mesh_data", "eval_every",
       "eval_batch_size", "log_every", "ckpt_every", "keep_checkpoints", "max_bad_steps", "data.input_size",
       "data.threads", "loss_scale.growth_interval"), lambda v: v >= 1, ">= 1"),
     (("collapse_warning", "mem_fraction"), lambda v: 0 <= v <= 1, "in [0, 1]"),

@@ -6,6 +6,7 @@ import jax
 import pytest
 from tiny import get_config
 
+from jaxcls.config import MAX_CLASSES, validate
 from jaxcls.plan import memory
 from jaxcls.plan.memory import (DoesNotFit, check_fits, fit_classes, format_bytes, max_classes_that_fit, parse_bytes,
     step_memory)
@@ -72,13 +73,26 @@ def test_bytes_are_affine_in_the_class_count_and_max_classes_is_the_largest_that
     row = 2 * 32 * 4  # weight + momentum, float32, D = 32
     assert 0 < a and row <= b * 8 <= row + 32  # and PartialFC's sampling: a few 4-byte values per row
     limit = int(a + b * 8 * 3_000_000)
-    classes, fitting, fixed, per_class = max_classes_that_fit(memory_at, limit, shards=8)  # a third compile
+    classes, fitting, fixed, per_class, capped = max_classes_that_fit(memory_at, limit, shards=8)  # a third compile
+    assert not capped
     assert (fixed, per_class) == (a, b)  # from the same probes
     assert fitting.total == pytest.approx(a + b * classes, rel=1e-4)  # affine beyond the probes (a third compile)
     assert classes % 8 == 0 and fitting.total <= limit
     # the largest: 8 more classes (a row more per device) would not fit; 1 KiB for alignment off the line
     # (measured: 117 B off it at 3M classes, 155 B to spare where a row needs 272)
     assert limit - fitting.total < b * 8 + 1024, (limit, fitting.total, b)
+
+
+def test_max_classes_stops_at_the_largest_count_int32_labels_take():
+    """2^31 classes would overflow the labels (the planner's solve once landed past it and failed after minutes of
+    compiling); config validation refuses such a num_classes by name."""
+    fake = lambda classes: memory.StepMemory({"FC weight": 1000 + classes}, "cpu")  # a byte a class
+    fit = max_classes_that_fit(fake, limit=2**40, shards=16)
+    assert fit.capped and fit.classes == MAX_CLASSES // 16 * 16 and fit.classes <= 2**31 - 2**16
+    assert not max_classes_that_fit(fake, limit=2**30, shards=16).capped
+    config = get_config(num_classes=2**31)
+    with pytest.raises(ValueError, match=r"^num_classes must be in \[1, 2,147,418,112\] \(int32 labels\), got"):
+        validate(config, num_devices=8)
 
 
 def test_check_fits_raises_with_the_plan_where_the_device_reports_a_limit(monkeypatch):

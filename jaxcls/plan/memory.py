@@ -21,6 +21,8 @@ import typing
 
 import jax
 
+from jaxcls.config import MAX_CLASSES
+
 GiB = 2**30
 MEM_FRACTION_VARIABLE = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 DEFAULT_MEM_FRACTION = 0.75  # JAX's default share of a GPU
@@ -167,6 +169,7 @@ class ClassFit(typing.NamedTuple):
     memory: StepMemory
     fixed: float
     per_class: float
+    capped: bool = False  # at ``config.MAX_CLASSES`` (int32 labels), whatever more would fit
 
 
 def probe_rows(chunk_size: int, sample_rate: float) -> int:
@@ -181,9 +184,10 @@ def max_classes_that_fit(memory_at, limit: int, shards: int, rows: int = 2**20) 
     samples full tiles, so every part that grows with C is a per-row array), confirmed by a third compile and
     stepped down once by the measured excess if that does not fit."""
     a, b = fit_classes(memory_at, (shards * rows, shards * 2 * rows))
-    classes = max(int((limit - a) / b) // shards * shards, shards)
+    cap = MAX_CLASSES // shards * shards
+    classes = min(max(int((limit - a) / b) // shards * shards, shards), cap)
     memory = memory_at(classes)
     if memory.total > limit:
         classes -= -(-int((memory.total - limit) / b) // shards) * shards
         memory = memory_at(classes)
-    return ClassFit(classes, memory, a, b)
+    return ClassFit(classes, memory, a, b, capped=classes == cap)

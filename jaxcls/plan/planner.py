@@ -139,4 +139,7 @@ def plan(config, devices: list, device_memory: int, max_classes: bool = False, t
         fit = max_classes_that_fit(lambda c: memory_at(c)[1], result.usable, shards, rows)
         result.max_classes, result.max_classes_total = fit.classes, fit.memory.total
         result.fixed, result.per_class = fit.fixed, fit.per_class
+        if fit.capped:
+            result.notes.append(f"more classes would fit, but {fit.classes:,} is the most jaxcls takes (labels and "
+                                "FC rows are numbered in int32)")
     return result
