@@ -67,6 +67,11 @@ def _train(run, workdir: Path, checkpoints: RunCheckpoints, stop: StopRequests, 
            init_from, init_fc):
     config = run.config
     resuming = check_resumable(run, workdir, checkpoints)
+    end = config.total_steps if stop_after is None else min(stop_after, config.total_steps)
+    if resuming and checkpoints.latest_step() >= end:  # nothing to train: no compile, no new rows
+        log.info("%s is at step %d of %d already: nothing to train", workdir, checkpoints.latest_step(),
+                 config.total_steps)
+        return checkpoints.restore(run.abstract_state)[0], {}
     if init_from and not resuming:
         check_init_from(run, init_from, init_fc)
     evaluate = Evaluator(run)  # its sets read (or refused) before the compile
@@ -75,7 +80,6 @@ def _train(run, workdir: Path, checkpoints: RunCheckpoints, stop: StopRequests, 
     start_step = int(state["step"])
     distributed.barrier("train step compiled")  # every process starts stepping together
     writer, sharding = MetricsWriter(workdir, resumed_step=start_step), batch_sharding(run.mesh)
-    end = config.total_steps if stop_after is None else min(stop_after, config.total_steps)
     bar = Progress(config.total_steps, start_step, enabled=progress and jax.process_index() == 0)
     bad, last, stopped = BadSteps(config.max_bad_steps, checkpoints), {}, False
     tick, row_step = time.perf_counter(), start_step  # when and at which step the previous row was written
@@ -254,6 +258,8 @@ def main(argv):
     apply_mem_fraction(f.config)  # before JAX starts a GPU backend
     distributed.initialize_from_flags()
     _, final = train(f.config, f.workdir, stop_after=f.stop_after, init_from=f.init_from, init_fc=f.init_fc)
+    if not final:  # the run was at its end already
+        return
     accuracies = ", ".join(f"{k.split('/')[1]} {v:.2%} ± {final[k + '_std']:.2%}"
                            for k, v in final.items() if k.endswith("/accuracy"))
     log.info("done: loss %.4g%s", final.get("loss", float("nan")), f", verification {accuracies}" if accuracies else "")

@@ -178,6 +178,10 @@ def test_cli_is_quiet_and_evaluates(tmp_path):
     assert 4 <= len(lines) <= 15, "\n".join(lines)
     assert not any(re.match(r"[IW]\d{4} ", line) for line in lines), "absl INFO lines leaked:\n" + "\n".join(lines)
     assert lines[0].startswith("model r18") and re.search(r"done: loss [\d.]+, verification heldout", lines[-1])
+    metrics = (tmp_path / "metrics.jsonl").read_text()
+    code, lines = cli("jaxcls.train", *flags, "--config.total_steps=4")  # again: the run is at its end
+    assert code == 0 and lines == [f"{tmp_path} is at step 4 of 4 already: nothing to train"], "\n".join(lines)
+    assert (tmp_path / "metrics.jsonl").read_text() == metrics
 
     code, lines = cli("jaxcls.eval", "--workdir", str(tmp_path), "--roc")
     assert code == 0, "\n".join(lines)
