@@ -23,6 +23,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxcls.config import from_json
 from jaxcls.reporting import one_line
 
 
@@ -44,6 +45,14 @@ CLASS_ROWS = ("weight", "fc_opt")
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written, or that does not fit the run restoring it."""
+
+
+def run_config(workdir: str | os.PathLike):
+    """The config a jaxcls run in ``workdir`` saved (``config.json``); ``CheckpointError`` if there is none."""
+    path = Path(workdir) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{workdir} is not a jaxcls run: it has no config.json")
+    return from_json(path.read_text())
 
 
 def restore_args(abstract_tree):

@@ -21,7 +21,7 @@ import jax
 from absl import flags
 
 from jaxcls import distributed
-from jaxcls.checkpoint import CheckpointError, RunCheckpoints
+from jaxcls.checkpoint import CheckpointError, RunCheckpoints, run_config
 from jaxcls.config import define_config_flag, from_json, resume_differences
 from jaxcls.data.pipeline import device_batch
 from jaxcls.eval.evaluator import Evaluator
@@ -181,7 +181,7 @@ def check_init_from(run, source: str, with_fc: bool) -> None:
         held = f"only steps {sorted(steps)}" if steps else "no checkpoint"
         raise CheckpointError(f"--init_from {source}: {Path(directory).absolute()} holds {held}")
     if with_fc:
-        classes = from_json((Path(directory) / "config.json").read_text()).num_classes
+        classes = run_config(directory).num_classes
         if classes != run.config.num_classes:
             raise CheckpointError(f"--init_fc: {directory} has an FC of {classes} classes, this run "
                                   f"{run.config.num_classes}")

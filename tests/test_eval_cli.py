@@ -1,5 +1,8 @@
 """``python -m jaxcls.eval`` over several runs: the mean ± sample std of every metric the runs share."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -27,3 +30,11 @@ def test_report_over_runs_prints_a_line_per_set_and_names_what_is_left_out(capsy
     assert lines[0] == "over 2 runs: mean ± sample std" and "TAR@1e-03" in lines[1]
     assert lines[2].split()[:4] == ["lfw", "0.8500", "±", "0.0707"]  # accuracy; auc 0.9000 ± 0.0707 next
     assert lines[2].split()[4:7] == ["0.9000", "±", "0.0707"] and lines[3] == "not in every run, left out: cfp"
+
+
+def test_a_folder_that_is_no_run_is_named(tmp_path):
+    (tmp_path / "empty").mkdir()
+    done = subprocess.run([sys.executable, "-m", "jaxcls.eval", "--workdir", str(tmp_path / "empty")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert f"error: {tmp_path / 'empty'} is not a jaxcls run: it has no config.json" in done.stderr

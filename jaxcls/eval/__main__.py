@@ -20,8 +20,7 @@ import numpy as np
 from absl import flags
 
 from jaxcls import distributed
-from jaxcls.checkpoint import RunCheckpoints
-from jaxcls.config import from_json
+from jaxcls.checkpoint import RunCheckpoints, run_config
 from jaxcls.eval.evaluator import Evaluator
 from jaxcls.eval.roc import far_key, has_both_kinds, plot_roc, roc_curve, unmeasurable
 from jaxcls.eval.verification import FARS, l2_normalize, pair_cosines
@@ -46,7 +45,7 @@ def main(argv):
 def evaluate(workdir: Path) -> dict:
     """Evaluate ``workdir``'s checkpoint (``--step`` or the latest) on ``--bin`` or its own sets; process 0 prints
     and writes the results; returns them (``val/<set>/<metric>`` keys)."""
-    config = from_json((workdir / "config.json").read_text())
+    config = run_config(workdir)
     if FLAGS.bin:
         config.eval_bins = tuple(str(Path(b).absolute()) for b in FLAGS.bin)  # from here, not the run's data root
     run = build(config, with_data=False)

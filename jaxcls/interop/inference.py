@@ -21,8 +21,7 @@ import numpy as np
 import tqdm
 from flax import nnx
 
-from jaxcls.checkpoint import CheckpointError, RunCheckpoints
-from jaxcls.config import from_json
+from jaxcls.checkpoint import RunCheckpoints, run_config
 from jaxcls.data.images import IMAGE_SUFFIXES, image_files
 from jaxcls.data.pipeline import normalize, to_image
 from jaxcls.data.recordio import MXFaceDataset
@@ -41,9 +40,7 @@ def restore_backbone(workdir: str | os.PathLike, step: int | None = None, *, dty
     precision it trained in), its weights from checkpoint ``step`` (default: the latest) placed by ``sharding``
     (default: the first local device)."""
     workdir = Path(workdir)
-    if not (workdir / "config.json").is_file():
-        raise CheckpointError(f"{workdir} is not a jaxcls run: it has no config.json")
-    config = from_json((workdir / "config.json").read_text())
+    config = run_config(workdir)
     abstract = nnx.eval_shape(lambda: make_model(config, dtype))
     abstract.eval()
     graphdef, params, stats = split_model(abstract)
