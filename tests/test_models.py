@@ -68,14 +68,16 @@ def test_expected_counts_follow_from_the_architectures():
             vit_params(1024, 48)] == [EXPECTED[n] for n in ("vit_t", "vit_s", "vit_b", "vit_l", "vit_h")]
 
 
-# the largest graphs take ~15 s or more to trace: slow lane
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in ("vit_b", "vit_l", "vit_h", "r200")
-                                               else [])
+LARGEST = ("vit_b", "vit_l", "vit_h", "r200")  # ~10–30 s to trace each: slow lane, one dtype (their smaller kin
+# trace both through the same code)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in LARGEST else [])
                                   for n in sorted(MODELS)])
 def test_parameter_count_and_output_shape(name):
     model = nnx.eval_shape(lambda: get_model(name))
     assert count_params(model) == EXPECTED[name]
-    for dtype in (jnp.float32, jnp.bfloat16):
+    for dtype in (jnp.bfloat16,) if name in LARGEST else (jnp.float32, jnp.bfloat16):
         model = nnx.eval_shape(lambda: get_model(name, num_features=128, dtype=dtype))
         out = nnx.eval_shape(lambda m, x: m(x), model, jax.ShapeDtypeStruct((2, 112, 112, 3), jnp.float32))
         assert out.shape == (2, 128) and out.dtype == jnp.float32

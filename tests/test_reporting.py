@@ -98,10 +98,10 @@ def test_logging_is_quiet_for_libraries_and_plain_for_jaxcls(capsys):
 
 
 @pytest.mark.parametrize("command", [["jaxcls.eval", "--workdir", "runs/x", "lfw.bin"],  # --bin forgotten
-                                     ["jaxcls.train", "--workdir", "runs/x", "extra"],
                                      ["jaxcls.plan", "--devices", "0"]], ids=lambda c: c[0])
 def test_a_command_line_error_is_one_line_and_status_2_before_anything_runs(command, tmp_path):
-    """A positional argument (every program takes only flags) and a flag out of its bounds: ``error: …``, exit 2."""
+    """A positional argument (``run_cli`` refuses them for every program: each takes only flags) and a flag out of
+    its bounds: ``error: …``, exit 2."""
     done = subprocess.run([sys.executable, "-m", *command], capture_output=True, text=True, timeout=300,
                           cwd=tmp_path)
     last = done.stderr.strip().splitlines()[-1]
