@@ -55,7 +55,8 @@ TAKE_OVER = ("import sys, time; from jaxcls import workdir; judge = workdir.Work
              "    holder = judge(self); time.sleep(1.5); return holder\n"
              "workdir.WorkdirLock.holder_if_alive = slow\n"
              "try:\n"
-             "    workdir.WorkdirLock(sys.argv[1], 'train').acquire(); print('acquired', flush=True); time.sleep(3)\n"
+             "    workdir.WorkdirLock(sys.argv[1], 'train').acquire(); print('acquired', flush=True)\n"
+             "    sys.stdin.read()  # held until the test has both answers\n"
              "except workdir.WorkdirLocked as e:\n"
              "    print('refused', flush=True)\n")
 
@@ -63,9 +64,14 @@ TAKE_OVER = ("import sys, time; from jaxcls import workdir; judge = workdir.Work
 def test_two_starters_on_a_stale_lock_do_not_both_take_it_over(tmp_path):
     (tmp_path / "lock").write_text(json.dumps({"what": "jaxcls.train", "host": socket.gethostname(), "pid": 2**22 + 1,
                                                "started": 0}))  # above Linux's largest pid: dead
-    starters = [subprocess.Popen([sys.executable, "-c", TAKE_OVER, str(tmp_path)], stdout=subprocess.PIPE,
-                                 text=True) for _ in range(2)]
-    outcomes = sorted(p.communicate(timeout=120)[0].strip() for p in starters)
+    starters = [subprocess.Popen([sys.executable, "-c", TAKE_OVER, str(tmp_path)], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        outcomes = sorted(p.stdout.readline().strip() for p in starters)
+    finally:
+        for p in starters:
+            p.stdin.close()
+            p.wait(timeout=120)
     assert outcomes == ["acquired", "refused"]
 
 
