@@ -10,6 +10,8 @@ just those tests, for a sweep over seeds:
 ``for s in $(seq 1 20); do JAXCLS_TEST_SEED=$s python -m pytest -q --only-rng || break; done``.
 """
 
+import contextlib
+import logging
 import os
 import shutil
 import socket
@@ -56,6 +58,17 @@ os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [
     os.environ.get("PYTHONWARNINGS"), "ignore:Error reading persistent compilation cache entry:UserWarning"]))
 
 MESH_SHAPES = [(1, 8), (2, 4), (4, 2), (8, 1)]
+
+
+@contextlib.contextmanager
+def jaxcls_records(caplog):
+    """``caplog`` sees jaxcls's log inside the block: a CLI's ``configure_logging`` stops that logger propagating."""
+    log = logging.getLogger("jaxcls")
+    log.addHandler(caplog.handler)
+    try:
+        yield caplog
+    finally:
+        log.removeHandler(caplog.handler)
 
 
 def free_port() -> int:

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from conftest import jaxcls_records
 from jaxcls.eval.evaluator import Evaluator, eval_sets
-from jaxcls.reporting import log
 from jaxcls.run import build
 from tiny import get_config as tiny_config
 
@@ -75,11 +75,8 @@ def test_embeddings_use_running_statistics(run_and_state):
 
 def test_metrics_and_collapse_warning(run_and_state, caplog):
     run, state = run_and_state
-    log.addHandler(caplog.handler)
-    try:
+    with jaxcls_records(caplog):
         results = Evaluator(build(tiny_config(collapse_warning=0.0)))(state)  # any embedding "collapses"
-    finally:
-        log.removeHandler(caplog.handler)
     assert set(results) == {f"val/heldout/{k}" for k in ("accuracy", "accuracy_std", "best_threshold", "xnorm",
                                                           "mean_cosine", "auc", "impostor_pairs", "tar@far=1e-01",
                                                           "tar@far=1e-02")}  # 300 impostor pairs: FAR ≥ 1/300
@@ -91,10 +88,7 @@ def test_non_finite_embeddings_are_warned_of_and_their_set_is_nan(run_and_state,
     run, _ = run_and_state
     views = np.random.default_rng(2).normal(size=(2, 20, 32))
     views[0, 3] = np.nan
-    log.addHandler(caplog.handler)
-    try:
+    with jaxcls_records(caplog):
         results = Evaluator(run).metrics({"lfw": (views, np.arange(10) % 2 == 0)})
-    finally:
-        log.removeHandler(caplog.handler)
     assert results["val/lfw/non_finite"] == 1 and np.isnan(results["val/lfw/accuracy"])
     assert "lfw: 1 of its 20 images have non-finite embeddings" in caplog.text

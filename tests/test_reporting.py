@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import pytest
 from absl import logging as absl_logging
 
+from conftest import jaxcls_records
 from jaxcls.errors import DataError
 from jaxcls.reporting import MetricsWriter, Progress, configure_logging, log
 
@@ -32,11 +33,8 @@ def test_a_torn_last_row_is_dropped_and_a_bad_row_before_it_is_named(tmp_path, c
     """A process killed while writing leaves a torn last row: every later resume would fail to read the file."""
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 2.0}\n{"step": 3, "lo')
-    log.addHandler(caplog.handler)
-    try:
+    with jaxcls_records(caplog):
         MetricsWriter(tmp_path, resumed_step=2).close()
-    finally:
-        log.removeHandler(caplog.handler)
     assert path.read_text() == '{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 2.0}\n'
     assert "metrics.jsonl:3: a torn last row (its process stopped while writing it) is dropped" in caplog.text
     path.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "lo\n{"step": 3, "loss": 3.0}\n')

@@ -1,7 +1,6 @@
 """Training sources by kind, each built from ``config.data`` (RecordIO's reader: test_recordio.py)."""
 
 import io
-import logging
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +10,7 @@ from PIL import Image
 from jaxcls.errors import DataError
 from jaxcls.data.recordio import MXFaceDataset, pack, write_records
 from jaxcls.data.sources import ImageFolder, ProceduralGlyphs, SyntheticNoise, make_source
+from conftest import jaxcls_records
 from tiny import get_config as tiny_config
 
 
@@ -45,12 +45,8 @@ def test_image_folder_takes_torchvisions_images_at_any_depth_and_warns_of_other_
         image.convert("L").save(tmp_path / name, fmt) if name.endswith(".pgm") else image.save(tmp_path / name, fmt)
     (tmp_path / "a" / "sub" / "notes.txt").write_text("not an image")
     (tmp_path / "b" / "anim.gif").write_bytes(b"GIF89a")
-    log = logging.getLogger("jaxcls")
-    log.addHandler(caplog.handler)
-    try:
+    with jaxcls_records(caplog):
         ds = ImageFolder(tmp_path)
-    finally:
-        log.removeHandler(caplog.handler)
     order = ["a/w.ppm", "a/x.jpg", "a/sub/y.JPG", "a/sub/deeper/z.png",
              "b/q.jpeg", "b/r.bmp", "b/s.tiff", "b/t.webp", "b/u.pgm", "b/v.tif"]  # sorted os.walk, as torchvision
     assert [f.relative_to(tmp_path).as_posix() for f in ds.files] == order

@@ -16,9 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import COMPILATION_CACHE
+from conftest import COMPILATION_CACHE, jaxcls_records
 from jaxcls.checkpoint import CheckpointError, RunCheckpoints
-from jaxcls.reporting import log
 from jaxcls.run import build
 from jaxcls.train import Diverged, initialized_from, train
 from test_recordio import GLYPHS, needs_glyphs
@@ -58,12 +57,9 @@ def test_resume_is_exact_and_works_on_another_mesh(tmp_path, caplog):
     c = tiny_config(sample_rate=0.5, bn_sync=True)  # global BatchNorm statistics: the same run on 8 and on 4 devices
     straight, _ = train(c, tmp_path / "straight", progress=False)
     train(c, tmp_path / "resumed", progress=False, stop_after=3)
-    log.addHandler(caplog.handler)
     caplog.set_level(logging.INFO, logger="jaxcls")
-    try:
+    with jaxcls_records(caplog):
         resumed, _ = train(c, tmp_path / "resumed", progress=False)
-    finally:
-        log.removeHandler(caplog.handler)
     assert f"resumed from step 3 in {tmp_path / 'resumed'}" in caplog.text
     assert int(resumed["step"]) == int(straight["step"]) == 6
     for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed)):
@@ -133,14 +129,11 @@ def test_a_bad_init_from_or_a_missing_eval_set_stops_the_run_before_it_compiles(
 
 def test_divergence_stops_the_run_and_no_checkpoint_is_ever_non_finite(tmp_path, caplog):
     c = tiny_config(lr=1e8, clip_grad_norm=0.0, max_bad_steps=3, total_steps=40, ckpt_every=1, keep_checkpoints=40)
-    log.addHandler(caplog.handler)
-    try:
-        with pytest.raises(Diverged, match=r"stopped at step (\d+): 3 steps in a row had a non-finite loss, gradient "
-                                           r"or update \(lr [\d.e+]+, grad norm \S+, loss .*\) and were skipped; "
-                                           r"last good checkpoint: .*checkpoints/\d+$") as stopped:
-            train(c, tmp_path, progress=False)
-    finally:
-        log.removeHandler(caplog.handler)
+    with jaxcls_records(caplog), pytest.raises(
+            Diverged, match=r"stopped at step (\d+): 3 steps in a row had a non-finite loss, gradient or update \(lr "
+                            r"[\d.e+]+, grad norm \S+, loss .*\) and were skipped; last good checkpoint: "
+                            r".*checkpoints/\d+$") as stopped:
+        train(c, tmp_path, progress=False)
     warned = set(re.findall(r"step (\d+): non-finite loss, gradient or update; update skipped", caplog.text))
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     # a row per step, each counting the skipped steps up to and including its own
