@@ -79,9 +79,8 @@ def one_line(error: BaseException) -> str:
 
 def run_cli(main) -> None:
     """``absl.app.run(main)`` for jaxcls's command-line programs: a bad flag or config key, a positional argument,
-    and any exception
-    from ``main``, end the program with one line on stderr (exit status 2 for the command line, 1 for an
-    error, an exception's own ``exit_code`` for an expected end); ``--verbosity=…`` shows the traceback.
+    and any exception from ``main``, end the program with one line on stderr (exit status 2 for the command line, 1
+    for an error, an exception's own ``exit_code`` for an expected end); ``--verbosity=…`` shows the traceback.
     A Ctrl-C that ``main`` lets through exits with 130."""
     from jaxcls.config import check_config_flags
 

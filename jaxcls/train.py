@@ -188,9 +188,8 @@ def check_init_from(run, source: str, with_fc: bool) -> None:
 
 
 def initialized_from(run, state: dict, source: str, with_fc: bool) -> dict:
-    """``state`` with the backbone (and the FC weight if ``with_fc``) of run ``source`` = ``WORKDIR[:STEP]``
-    (``check_init_from``)."""
-    check_init_from(run, source, with_fc)
+    """``state`` with the backbone (and the FC weight if ``with_fc``) of run ``source`` = ``WORKDIR[:STEP]``, which
+    ``check_init_from`` has checked."""
     directory, _, step = source.partition(":")
     other = RunCheckpoints(Path(directory) / "checkpoints", keep=1, read_only=True)
     parts = ("params", "stats") + (("weight",) if with_fc else ())

@@ -19,7 +19,7 @@ import pytest
 from conftest import COMPILATION_CACHE, jaxcls_records
 from jaxcls.checkpoint import CheckpointError, RunCheckpoints
 from jaxcls.run import build
-from jaxcls.train import Diverged, initialized_from, train
+from jaxcls.train import Diverged, check_init_from, initialized_from, train
 from test_recordio import GLYPHS, needs_glyphs
 from tiny import get_config as tiny_config
 
@@ -104,7 +104,7 @@ def test_resume_is_strict_and_init_from_takes_another_runs_backbone(tmp_path, mo
         np.testing.assert_array_equal(as_numpy(a), as_numpy(b))
     assert int(started["step"]) == 0 and started["weight"] is fresh["weight"]
     with pytest.raises(CheckpointError, match="--init_fc: runs/relative has an FC of 64 classes, this run 80"):
-        initialized_from(run, fresh, "runs/relative", with_fc=True)
+        check_init_from(run, "runs/relative", with_fc=True)
     wider = build(tiny_config(model_kwargs={"width": 16}))
     with pytest.raises(CheckpointError, match=r"relative/checkpoints/2 does not fit this run: params/\S+: shape"):
         initialized_from(wider, {}, "runs/relative", with_fc=False)
