@@ -274,6 +274,10 @@ def test_only_the_counterparts_of_arcface_torch_go_back_to_torch():
                                          r"\(1, 1, 1, 2\) \(model_kwargs.stages\)"):
         arcface_name(_with(run_config("r18"), stages=[1, 1, 1, 2]))
     assert arcface_name(_with(run_config("r18"), stages=[2, 2, 2, 2])) == "r18"  # the name's own, as a list
+    with pytest.raises(ValueError, match=r"arcface_torch's vit_t has \{'dim': 256, 'depth': 12, 'heads': 8\}; this "
+                                         r"run's has \{'dim': 256, 'depth': 2, 'heads': 8\} \(model_kwargs\)"):
+        arcface_name(_with(run_config("vit_t"), depth=2))
+    assert arcface_name(_with(run_config("vit_t"), depth=12)) == "vit_t"
     # mbf_large is jaxcls's mbf with model_kwargs, which survive a run's config.json
     from jaxcls.config import from_json
     from jaxcls.models import make_model

@@ -470,6 +470,10 @@ def arcface_name(config) -> str:
         if kwargs.get("act", "relu6") != "relu6" or kwargs.get("patch", 9) != 9:
             raise ValueError(f"arcface_torch's ViTs take 9×9 patches and ReLU6; this run's {config.model} has "
                              f"{kwargs.get('patch', 9)}×{kwargs.get('patch', 9)} and {kwargs.get('act', 'relu6')}")
+        wanted = dict(zip(("dim", "depth", "heads"), VIT_SIZES[config.model]))
+        found = {key: kwargs.get(key, value) for key, value in wanted.items()}
+        if found != wanted:
+            raise ValueError(f"arcface_torch's {config.model} has {wanted}; this run's has {found} (model_kwargs)")
         # drop path and masking are training settings: any of the names with this size holds the same state dict
         names = [name for name, (model, _) in ARCFACE_MODELS.items() if model == config.model]
         same = [name for name in names if ARCFACE_MODELS[name][1] == kwargs]

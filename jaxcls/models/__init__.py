@@ -26,7 +26,8 @@ from jaxcls.registry import lookup
 MODELS = {
     **{name: partial(IResNet, stages=stages) for name, stages in STAGES.items()},  # model_kwargs may set stages
     "mbf": MobileFaceNet,
-    **{name: partial(VisionTransformer, *size) for name, size in VIT_SIZES.items()},
+    **{name: partial(VisionTransformer, dim=dim, depth=depth, heads=heads)  # model_kwargs may set any of them
+       for name, (dim, depth, heads) in VIT_SIZES.items()},
 }
 
 
