@@ -1,7 +1,7 @@
 """Backbone memory and CPU step time per precision × remat policy, and fused vs unfused ops.
 
     python benchmarks/backbone_memory.py            # r50 at 112×112, batch 8 (timing: batch 2, 2 steps)
-    python benchmarks/backbone_memory.py --small    # the small r18 at 32×32, one ViT-t row; what the tests run
+    python benchmarks/backbone_memory.py --small    # the small r18 at 32×32, one two-block ViT-t row; what the tests run
 
 Columns: ``saved_bytes`` = activations kept for the backward (the vjp residuals, exact on any backend);
 ``temp_bytes`` = compiled temp memory of a full gradient step from ``memory_analysis()``. IResNet scans its
@@ -72,7 +72,8 @@ def main():
     rows = [measure(name, d, r, batch, size, time_batch, 1 if args.small else args.steps, **kwargs)
             for d in dtypes for r in policies]
     activations = ("fused_silu",) if args.small else ("silu", "fused_silu")  # --small: the code path, once
-    rows += [measure("vit_t", "float32", "none", batch, 18 if args.small else 112, time_batch, 0, act=act)
+    vit = dict(depth=2) if args.small else {}  # --small: two blocks, the second with its drop path
+    rows += [measure("vit_t", "float32", "none", batch, 18 if args.small else 112, time_batch, 0, act=act, **vit)
              for act in activations]
     print_table(rows, ["model", "dtype", "remat", "act", "batch", "size", "saved_bytes", "temp_bytes",
                        "cpu_s_per_image"])

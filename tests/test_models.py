@@ -68,8 +68,8 @@ def test_expected_counts_follow_from_the_architectures():
             vit_params(1024, 48)] == [EXPECTED[n] for n in ("vit_t", "vit_s", "vit_b", "vit_l", "vit_h")]
 
 
-LARGEST = ("vit_b", "vit_l", "vit_h", "r200")  # ~10–30 s to trace each: slow lane, one dtype (their smaller kin
-# trace both through the same code)
+LARGEST = ("vit_b", "vit_l", "vit_h", "r200")  # ~5–20 s to build each: slow lane, counted but not traced (their
+# smaller kin trace the same code in both dtypes)
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in LARGEST else [])
@@ -77,7 +77,7 @@ LARGEST = ("vit_b", "vit_l", "vit_h", "r200")  # ~10–30 s to trace each: slow 
 def test_parameter_count_and_output_shape(name):
     model = nnx.eval_shape(lambda: get_model(name))
     assert count_params(model) == EXPECTED[name]
-    for dtype in (jnp.bfloat16,) if name in LARGEST else (jnp.float32, jnp.bfloat16):
+    for dtype in () if name in LARGEST else (jnp.float32, jnp.bfloat16):
         model = nnx.eval_shape(lambda: get_model(name, num_features=128, dtype=dtype))
         out = nnx.eval_shape(lambda m, x: m(x), model, jax.ShapeDtypeStruct((2, 112, 112, 3), jnp.float32))
         assert out.shape == (2, 128) and out.dtype == jnp.float32
@@ -105,10 +105,10 @@ def test_an_iresnets_stages_set_its_depth_and_bad_ones_are_refused():
 
 
 def small(name, **kwargs):
-    """A CPU-sized instance: ViTs at 18×18, IResNets at 1/4 width, 32×32."""
+    """A CPU-sized instance: ViTs of 2 blocks at 18×18, IResNets at 1/4 width, MobileFaceNets with one block of each
+    kind, 32×32. (Every layer kind stays: a ViT's second block has a drop path.)"""
     size = 18 if name.startswith("vit") else 32
-    if name.startswith("r"):
-        kwargs.setdefault("width", 16)
+    kwargs.setdefault(*{"r": ("width", 16), "m": ("blocks", (1, 1, 1, 1)), "v": ("depth", 2)}[name[0]])
     return create(lambda: get_model(name, num_features=16, input_size=size, **kwargs)), size
 
 
@@ -202,8 +202,9 @@ def test_remat_lowers_saved_activations_not_values(policy, rng):
     for bn_backward in BN_BACKWARDS:
         assert residual_bytes("r18", policy, bn_backward) < 0.8 * residual_bytes("r18", "none", bn_backward)
     x = jnp.asarray(rng.normal(size=(4, 32, 32, 3)), jnp.float32)
-    g_plain = param_grads(small("r18")[0], x)
-    g_remat = param_grads(small("r18", remat=policy)[0], x)
+    shallow = dict(stages=(1, 1, 1, 2))  # the last stage keeps a stack of identical blocks (the remat loop's body)
+    g_plain = param_grads(small("r18", **shallow)[0], x)
+    g_remat = param_grads(small("r18", remat=policy, **shallow)[0], x)
     assert all_finite(g_plain) and all(np.any(g != 0) for g in jax.tree.leaves(g_plain))
     for a, b in zip(jax.tree.leaves(g_plain), jax.tree.leaves(g_remat)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

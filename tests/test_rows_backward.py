@@ -90,9 +90,12 @@ def random_keep(rng, where):
     return (jnp.asarray(rng.random(where.kept.shape[0]) < 0.8).at[-1].set(True)) & where.kept
 
 
-# every margin family and compute dtype; and one case whose shares of rows take several blocks each (programs=2)
-GRADIENT_CASES = [(margin, dtype, rows_backward.GRAD_PROGRAMS) for margin in ("arcface", "cosface", "sphereface")
-                  for dtype in (jnp.float32, jnp.bfloat16, jnp.float16)] + [("arcface", jnp.bfloat16, 2)]
+# every margin family in float32 and every compute dtype with ArcFace (the margin acts on float32 products whatever
+# the operands' dtype: tiles.cosine_grads); and one case whose shares of rows take several blocks each (programs=2)
+PROGRAMS = rows_backward.GRAD_PROGRAMS  # the kernel's own number of programs
+GRADIENT_CASES = ([(margin, jnp.float32, PROGRAMS) for margin in ("arcface", "cosface", "sphereface")]
+                  + [("arcface", dtype, PROGRAMS) for dtype in (jnp.bfloat16, jnp.float16)]
+                  + [("arcface", jnp.bfloat16, 2)])
 
 
 @pytest.mark.parametrize("margin,dtype,programs", GRADIENT_CASES, ids=lambda v: getattr(v, "__name__", str(v)))

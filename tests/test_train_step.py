@@ -179,13 +179,6 @@ def test_per_device_statistics_step_equals_accumulating_the_devices_rows(rng):
     assert_close(running_stats(run, new), jax.tree.map(lambda *s: np.mean(s, axis=0), *per_device), rtol=1e-5)
 
 
-def r50_config(**overrides):
-    """ms1mv3_r50's backbone (full width, 112×112, 512-d) in float32, a batch of 16, 64 classes."""
-    c = tiny_config(model="r50", num_features=512, batch_size=16, **overrides)
-    c.model_kwargs, c.data.kind, c.data.input_size = {}, "synthetic", 112
-    return c
-
-
 def backbone_all_reduces(hlo_text: str) -> dict:
     """``{"forward" | "backward": [instructions, bytes]}`` of the all-reduces that the backbone's forward (op_name
     ``…/jvp()/…``) and backward (``…/transpose(jvp())/…``) put in a compiled train step (with remat "none" the
@@ -202,7 +195,7 @@ def backbone_all_reduces(hlo_text: str) -> dict:
     return found
 
 
-def test_r50_step_all_reduces_batchnorm_statistics_only_with_bn_sync():
+def test_an_iresnet_step_all_reduces_batchnorm_statistics_only_with_bn_sync():
     """Each reduction kept as its own all-reduce (XLA:CPU's combiner off), 8 devices. Without bn_sync the forward
     all-reduces one [2C] vector per BatchNorm layer (its running mean and variance, needed by no later layer)
     and the backward exactly the parameter gradients; with bn_sync the forward needs the mean, then the
@@ -210,14 +203,14 @@ def test_r50_step_all_reduces_batchnorm_statistics_only_with_bn_sync():
     its scale's and bias's (and PReLU's) gradients, so only the features layer's (no scale) adds to them."""
     parts = {}
     for sync in (False, True):
-        run = build(r50_config(bn_sync=sync), with_data=False)
+        run = build(tiny_config(bn_sync=sync), with_data=False)  # any IResNet: the small r18
         compiled = run.compile_step(run.abstract_state, {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"})
         parts[sync] = backbone_all_reduces(compiled.as_text())
     stats = jax.tree.leaves(nnx.filter_state(run.abstract_state["stats"], nnx.BatchStat))
-    layers = sum(s.size // s.shape[-1] for s in stats) // 2  # 79; stacked blocks' statistics are [depth, C]
+    layers = sum(s.size // s.shape[-1] for s in stats) // 2  # stacked blocks' statistics are [depth, C]
     stat_bytes = 4 * sum(s.size for s in stats)  # running mean and variance, float32
     param_bytes = 4 * sum(p.size for p in jax.tree.leaves(run.abstract_state["params"]))
     assert parts[False] == {"forward": [layers, stat_bytes], "backward": [parts[False]["backward"][0], param_bytes]}
     assert parts[True]["forward"] == [2 * layers, stat_bytes]
-    features = run.abstract_state["params"]["features"]["bias"].size  # its Σ dy·x̂, [512] float32
+    features = run.abstract_state["params"]["features"]["bias"].size  # its Σ dy·x̂, [num_features] float32
     assert parts[True]["backward"][1] == param_bytes + 4 * features
