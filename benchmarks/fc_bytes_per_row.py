@@ -98,6 +98,13 @@ def main():
                         "--loss-alone always runs ArcFace, as benchmarks/loss.py does")
     parser.add_argument("--out", default="benchmarks/results/fc_bytes_per_row.json")
     args = parser.parse_args()
+    if args.loss_alone:  # its N, C and float32 weight are fixed: a per-row option would be ignored
+        ignored = [f"--{name.replace('_', '-')}" for name in ("classes", "small", "fc_dtype", "batch", "model",
+                                                              "input_size", "fc_weight_rounding")
+                   if getattr(args, name) != parser.get_default(name)]
+        if ignored:
+            parser.error(f"--loss-alone measures N = 512, C = 1M, a float32 weight: {', '.join(ignored)} would be "
+                         "ignored")
     args.classes = args.classes or ([65_536, 262_144] if args.small else [4_000_000, 16_000_000])
     device = gpu_target.gpu_devices(args.target, 1)[0]
     with fc_kernels(args.fc_kernels):

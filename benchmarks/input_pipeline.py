@@ -127,14 +127,20 @@ def pipeline_rate(ds, batches: int, batch_size: int, size: int, threads: int, re
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--root", default=str(GLYPHS))
+    parser.add_argument("--root", help=f"a RecordIO folder (default: {GLYPHS}, or a generated file where it is absent)")
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--out", default="benchmarks/results/input_pipeline.json")
     args = parser.parse_args()
     flags.FLAGS.mark_as_parsed()  # Grain's worker processes read absl flags
     tmp = tempfile.TemporaryDirectory()
-    root = small_recordio(Path(tmp.name)) if args.small or not Path(args.root, "train.rec").exists() else args.root
+    if args.root and (args.small or not Path(args.root, "train.rec").exists()):  # measured, not replaced
+        parser.error("--small generates its own file: --root would be ignored" if args.small else
+                     f"no train.rec in --root {args.root}")
+    root = args.root or (GLYPHS if (GLYPHS / "train.rec").exists() and not args.small else None)
+    if root is None:
+        print(f"{'--small' if args.small else f'no glyphs at {GLYPHS}'}: a generated file of 512 images", flush=True)
+        root = small_recordio(Path(tmp.name))
     ds = MXFaceDataset(root)
     n, batches, batch, repeats = (256, 4, 64, 1) if args.small else (4000, 30, 128, 3)
     raw = [ds.raw(i % len(ds))[0] for i in range(n)]

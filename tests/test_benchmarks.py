@@ -232,6 +232,18 @@ def test_the_sort_free_partialfc_draw_takes_the_rows_jaxcls_takes(rng):
     np.testing.assert_array_equal(take(keys, budget), drawn)
 
 
+@pytest.mark.parametrize("script, args, message", [
+    ("fc_bytes_per_row", ["--loss-alone", "--batch", "64"],
+     "--loss-alone measures N = 512, C = 1M, a float32 weight: --batch would be ignored"),
+    ("input_pipeline", ["--root", "/no/such/folder"], "no train.rec in --root /no/such/folder"),
+    ("input_pipeline", ["--small", "--root", "x"], "--small generates its own file: --root would be ignored")])
+def test_an_option_a_script_would_not_use_is_refused(script, args, message, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *args])
+    with pytest.raises(SystemExit) as exited:
+        benchmark(script).main()
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.gpu_target if s in GPU_TARGET else ())
                                     for s in sorted(SCRIPTS.keys() - RUN_ELSEWHERE)])
