@@ -38,6 +38,7 @@ def naive_loss(emb, weight, labels):
 
 def measure(name, loss_fn, n, d, c, rows, dtype, emb_sharding, w_sharding, iters):
     """Compile and time ``value_and_grad(loss_fn)`` on fresh inputs; ``rows`` is the weight's padded C."""
+    peak_before = peak_device_bytes()
     emb = jax.random.normal(jax.random.key(0), (n, d), jnp.float32).astype(dtype)
     weight = 0.01 * jax.random.normal(jax.random.key(1), (rows, d), jnp.float32)
     labels = jax.random.randint(jax.random.key(2), (n,), 0, c)
@@ -48,7 +49,7 @@ def measure(name, loss_fn, n, d, c, rows, dtype, emb_sharding, w_sharding, iters
     ms = time_ms(compiled, emb, weight, labels, iters=iters)
     tflops = 6 * n * d * c / (ms * 1e-3) / 1e12
     return {"loss": name, "N": n, "D": d, "C": c, "dtype": jnp.dtype(dtype).name, "ms": ms, "TFLOP/s": tflops,
-            **compiled_memory(compiled), "peak_bytes": peak_device_bytes()}
+            **compiled_memory(compiled), "peak_bytes": peak_device_bytes(peak_before)}
 
 
 def main():

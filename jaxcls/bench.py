@@ -72,10 +72,12 @@ def compiled_memory(compiled) -> dict:
             "output_bytes": int(stats.output_size_in_bytes)}
 
 
-def peak_device_bytes() -> int | None:
-    """Peak bytes in use on device 0 so far (GPU/TPU), else None."""
-    stats = jax.devices()[0].memory_stats() or {}
-    return stats.get("peak_bytes_in_use")
+def peak_device_bytes(before: int | None = None) -> int | None:
+    """Peak bytes in use on device 0 so far (GPU/TPU), else None. With ``before``, what this returned when a row
+    began: that row's own peak where the row raised the process's, else None (the allocator keeps one peak per
+    process, never reset, so an earlier, bigger row's would stand for this one's)."""
+    peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+    return peak if before is None or peak is None or peak > before else None
 
 
 def environment() -> dict:
@@ -128,6 +130,7 @@ def write_json(path: str, rows: list[dict]) -> None:
 
 def time_train_step(config, steps: int, pipeline_root=None, warmup: int = 15, devices=None) -> dict:
     """One row: img/s from the median of ``steps`` synchronized steps after ``warmup``, compile time, memory."""
+    peak_before = peak_device_bytes()
     run = build(config, devices)
     state = run.init_state()
     start = time.perf_counter()
@@ -156,7 +159,7 @@ def time_train_step(config, steps: int, pipeline_root=None, warmup: int = 15, de
             "sample_rate": config.sample_rate, "precision": config.precision, "bn_sync": config.bn_sync,
             "input": "pipeline" if pipeline_root else "on device", "img_per_s": config.batch_size / seconds,
             "ms_per_step": 1e3 * seconds, "timing": f"median of {steps} synchronized steps after {warmup} warm-up",
-            "compile_s": compile_s, "peak_bytes": peak_device_bytes(), **compiled_memory(step),
+            "compile_s": compile_s, "peak_bytes": peak_device_bytes(peak_before), **compiled_memory(step),
             "loss": float(metrics["loss"])}
 
 

@@ -104,6 +104,21 @@ def test_in_fresh_process_returns_the_row_or_raises_with_the_error(tmp_path):
         in_fresh_process(rows.fails)
 
 
+def test_a_rows_peak_is_its_own_or_none(monkeypatch):
+    """The allocator's peak is the process's, never reset: a row that did not raise it gets None, not an earlier
+    row's peak (loss.py's grid once wrote 34.4 GB for a chunked loss whose temporaries were 3.2 GB)."""
+    import jaxcls.bench as bench
+    peak = {"peak_bytes_in_use": 100}
+    device = type("Device", (), {"memory_stats": lambda self: peak})()
+    monkeypatch.setattr(bench.jax, "devices", lambda: [device])
+    before = bench.peak_device_bytes()
+    assert before == 100 and bench.peak_device_bytes(before) is None  # a row below the earlier peak
+    peak["peak_bytes_in_use"] = 150
+    assert bench.peak_device_bytes(before) == 150  # a row that set the peak
+    device.memory_stats = lambda: None  # a CPU reports none
+    assert bench.peak_device_bytes() is None and bench.peak_device_bytes(before) is None
+
+
 def test_fc_state_accuracy_summarises_each_storage_over_its_seeds():
     script = benchmark("fc_state_accuracy")
     runs = [{"state": s, "seed": seed, "final": {"val/x/accuracy": a, "val/x/accuracy_std": 0.01}}
