@@ -41,7 +41,7 @@ SCRIPTS = {
     "fc_kernels.py": {"kernel", "case", "form", "ms", "least_GB_per_s", "diff_vs_xla"},
     "partialfc_draw.py": {"classes", "rows", "form", "ms", "temp_bytes_per_class"},
     "device_ceilings.py": {"measure", "size", "ms"},
-    "trace_time.py": {"model", "target", "trace_s", "lower_s"},
+    "trace_time.py": {"model", "target", "trace_s", "lower_s", "trace_s_first", "lower_s_first"},
 }
 NEEDS = {"inference_runtimes.py": "jax2onnx"}
 # what a script's --small run takes besides (fc_kernels.py: two of the kernel form's variants, two update cases;
