@@ -253,6 +253,18 @@ def validate(config, num_devices: int) -> None:
     check_weight_rounding(config.fc_weight_rounding, DTYPES[config.fc_dtype])
 
 
+def check_batchnorm_rows(config, num_devices: int) -> None:
+    """Training normalizes each BatchNorm over the rows of a micro-batch (of a device's share without ``bn_sync``):
+    ``ValueError`` where that is one row. The embedding's BatchNorm then gives every image its bias, and the backbone no
+    gradient (torch refuses it too). Evaluation, which normalizes with running statistics, is not held to it."""
+    normalized_together = config.batch_size // (config.accum_steps * (1 if config.bn_sync else num_devices))
+    if normalized_together < 2:
+        raise ValueError(f"batch_size {config.batch_size} leaves BatchNorm one row per "
+                         f"{'micro-batch' if config.bn_sync else 'device and micro-batch'}: every embedding would be "
+                         "the same and the backbone get no gradient; give it at least 2 rows"
+                         + ("" if config.bn_sync else " per device (or bn_sync=True)"))
+
+
 def fc_state_dtype(config):
     """The FC optimizer state's storage dtype: ``fc_state_dtype``, or for ``"same"`` the ``fc_dtype``."""
     return FC_STATE_DTYPES[config.fc_state_dtype] or DTYPES[config.fc_dtype]

@@ -22,7 +22,7 @@ from absl import flags
 
 from jaxcls import distributed
 from jaxcls.checkpoint import CheckpointError, RunCheckpoints, run_config
-from jaxcls.config import define_config_flag, from_json, resume_differences
+from jaxcls.config import check_batchnorm_rows, define_config_flag, from_json, resume_differences
 from jaxcls.data.pipeline import device_batch
 from jaxcls.eval.evaluator import Evaluator
 from jaxcls.interrupts import Preempted, StopRequests
@@ -48,6 +48,7 @@ def train(config, workdir: str | os.PathLike, devices=None, progress: bool = Tru
     """
     workdir = Path(workdir).absolute()  # orbax writes only to absolute paths
     run = build(config, devices)  # validates the whole config first
+    check_batchnorm_rows(config, run.mesh.size)
     lock = WorkdirLock(workdir, "jaxcls.train")
     if jax.process_index() == 0:
         taken_over = lock.acquire()

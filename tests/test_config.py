@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 from absl import flags
 
-from jaxcls.config import (NAMED_CHOICES, RANGES, RESUMABLE_KEYS, base_config, check_config_flags, check_keys,
-                           define_config_flag, from_json, get_key, resume_differences, validate)
+from jaxcls.config import (NAMED_CHOICES, RANGES, RESUMABLE_KEYS, base_config, check_batchnorm_rows, check_config_flags,
+                           check_keys, define_config_flag, from_json, get_key, resume_differences, validate)
 from jaxcls.eval.evaluator import eval_bin_paths
 from jaxcls.fc import DEFAULT_CHUNK
 from jaxcls.run import build
+from jaxcls.train import train
 from tiny import get_config as tiny_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.py"))
@@ -97,6 +98,23 @@ def test_unknown_names_are_refused_before_any_data_is_opened(key, table, what, t
 def test_inconsistent_values(overrides, message):
     with pytest.raises(ValueError, match=message):
         build(tiny_config(**overrides))
+
+
+def test_training_needs_two_rows_per_batchnorm_and_the_trainer_says_so_before_it_starts(tmp_path):
+    for overrides, devices in ((dict(batch_size=16), 8), (dict(batch_size=8, bn_sync=True), 8),  # 2 rows a device;
+                               (dict(batch_size=4, accum_steps=2, bn_sync=True), 1)):  # statistics over all rows
+        check_batchnorm_rows(tiny_config(**overrides), devices)
+    for overrides, devices, words in ((dict(batch_size=8), 8, "device and micro-batch"),
+                                      (dict(batch_size=32, accum_steps=4), 8, "device and micro-batch"),
+                                      (dict(batch_size=4, accum_steps=4, bn_sync=True), 1, "micro-batch")):
+        with pytest.raises(ValueError, match=rf"^batch_size {overrides['batch_size']} leaves BatchNorm one row per "
+                                             rf"{words}: every embedding would be the same and the backbone get no "
+                                             "gradient; give it at least 2 rows"):
+            check_batchnorm_rows(tiny_config(**overrides), devices)
+    validate(tiny_config(batch_size=8), num_devices=8)  # a run evaluated on more devices than it trained on
+    with pytest.raises(ValueError, match=r"one row per device and micro-batch: .* \(or bn_sync=True\)$"):
+        train(tiny_config(batch_size=8), tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()
 
 
 def test_fc_weight_rounding_reaches_the_fc_head_and_the_run_summary():
