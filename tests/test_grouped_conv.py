@@ -11,6 +11,8 @@ from flax import nnx
 from jaxcls.models import create, get_model, grouped_conv
 from jaxcls.models.layers import PReLU, conv
 
+INIT = nnx.initializers.normal(1.0)  # any kernel: the lowerings are compared with each other
+
 # (batch, size, channels in, channels out, groups, kernel, stride, padding): mbf's stem (groups of 2), its depthwise
 # layers (stride 1 and 2), its GDC head (7×7, no padding), two outputs per channel, groups of 4 → 3
 CASES = {
@@ -93,8 +95,8 @@ def test_bad_lowerings_are_refused(rng):
 def test_the_cpu_program_has_no_grouped_convolution():
     """mbf's layers, as ``layers.conv`` builds them, compile on XLA:CPU without ``feature_group_count``; forced to
     XLA's form they have it (the test can fail)."""
-    layer = conv(8, 8, 3, padding=1, groups=4, dtype=jnp.float32, rngs=nnx.Rngs(0))
-    depthwise = conv(8, 8, 3, 2, padding=1, groups=8, dtype=jnp.float32, rngs=nnx.Rngs(1))
+    layer = conv(8, 8, 3, padding=1, groups=4, dtype=jnp.float32, rngs=nnx.Rngs(0), init=INIT)
+    depthwise = conv(8, 8, 3, 2, padding=1, groups=8, dtype=jnp.float32, rngs=nnx.Rngs(1), init=INIT)
     x = jnp.ones((2, 8, 8, 8))
 
     def program():
@@ -146,8 +148,8 @@ def test_on_a_gpu_the_stem_is_a_dense_convolution_and_depthwise_layers_stay_grou
     from jaxcls.plan.kernels import kernels
 
     placed = jax.sharding.SingleDeviceSharding(gpu_target.gpu_devices("h100", 1)[0])
-    stem = conv(128, 128, 3, padding=1, groups=64, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    depthwise = conv(128, 128, 3, 2, padding=1, groups=128, dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
+    stem = conv(128, 128, 3, padding=1, groups=64, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), init=INIT)
+    depthwise = conv(128, 128, 3, 2, padding=1, groups=128, dtype=jnp.bfloat16, rngs=nnx.Rngs(1), init=INIT)
     x = jax.ShapeDtypeStruct((8, 16, 16, 128), jnp.bfloat16, sharding=placed)
 
     def group_counts():  # feature_group_count of each cuDNN convolution, forward and gradients

@@ -83,6 +83,20 @@ def test_parameter_count_and_output_shape(name):
         assert out.shape == (2, 128) and out.dtype == jnp.float32
 
 
+def test_mbf_draws_its_weights_as_arcface_torch():
+    """kaiming_normal_(mode="fan_out") for every convolution and the linear layer: std √(2 / (outputs × kernel area)),
+    a plain normal (the fan-in's truncated normal made them up to 23× larger: a far smaller effective step)."""
+    model = create(lambda: get_model("mbf", blocks=(1, 1, 1, 1)))
+    kernels = {"stem": model.layers[0].conv.kernel, "grouped": model.layers[1].conv.kernel,
+               "depthwise": model.layers[2].depthwise.conv.kernel, "gdc": model.gdc.conv.kernel,
+               "linear": model.linear.kernel}
+    for name, kernel in kernels.items():
+        w = np.asarray(kernel[...], np.float64)
+        fan_out = w.shape[-1] * (w.shape[0] * w.shape[1] if w.ndim == 4 else 1)
+        assert abs(w.std() / np.sqrt(2 / fan_out) - 1) < 0.1, (name, w.shape, w.std())
+        assert np.abs(w).max() > 2.5 * w.std(), name  # not truncated at 2 σ
+
+
 @pytest.mark.parametrize("name, smallest, words", [("r18", 16, "an IResNet halves four times"),
                                                     ("mbf", 16, "a MobileFaceNet halves four times"),
                                                     ("vit_t", 9, "of a ViT's patch")])

@@ -215,8 +215,8 @@ def _moments(x, axes, keepdims=False, one_pass=True):
     return (mean, var) if keepdims else (jnp.squeeze(mean, axes), jnp.squeeze(var, axes))
 
 
-def conv(in_ch: int, out_ch: int, kernel: int, stride: int = 1, *, padding: int, groups: int = 1, dtype, rngs,
-         use_bias: bool = False, init=nnx.initializers.kaiming_normal()):
+def conv(in_ch: int, out_ch: int, kernel: int, stride: int = 1, *, padding: int, groups: int = 1, dtype, rngs, init,
+         use_bias: bool = False):
     """NHWC convolution with symmetric integer padding, as torch's ``Conv2d(padding=p)``; with ``groups > 1`` in
     the form the platform runs well (``grouped_conv``), the parameters those of ``nnx.Conv`` whatever the form."""
     return nnx.Conv(in_ch, out_ch, (kernel, kernel), (stride, stride), padding=((padding, padding),) * 2,
