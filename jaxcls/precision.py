@@ -90,7 +90,8 @@ class DynamicLossScale:
         if not self.enabled:
             return state
         grow = finite & (state.good_steps + 1 >= self.growth_interval)
-        scale = jnp.where(finite, jnp.where(grow, state.scale * self.factor, state.scale), state.scale / self.factor)
+        grown = state.scale * self.factor  # kept only where finite, as torch's GradScaler (an inf scale stays inf)
+        scale = jnp.where(finite, jnp.where(grow & jnp.isfinite(grown), grown, state.scale), state.scale / self.factor)
         good = jnp.where(finite & ~grow, state.good_steps + 1, 0)
         return ScaleState(scale.astype(jnp.float32), good.astype(jnp.int32))
 

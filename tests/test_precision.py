@@ -44,6 +44,14 @@ class TestLossScale:
             scales.append(float(state.scale))
         assert scales == [1024, 1024, 2048, 2048, 2048, 4096, 4096]
 
+    def test_a_growth_past_float32_is_not_taken(self):
+        """As torch's GradScaler: the interval's count restarts, the scale stays (an inf scale would never recover:
+        halved, it stays inf, and every step is skipped)."""
+        top = DynamicLossScale(initial_scale=2.0**127, growth_interval=1)
+        state = top.adjust(top.init(), jnp.bool_(True))
+        assert float(state.scale) == 2.0**127 and int(state.good_steps) == 0
+        assert float(top.adjust(state, jnp.bool_(False)).scale) == 2.0**126
+
     def test_unscale_divides_and_disabled_is_identity(self):
         state = self.scaler.init()
         g = self.scaler.unscale({"w": jnp.array([1024.0, 2048.0])}, state)
