@@ -107,6 +107,21 @@ def test_an_input_smaller_than_the_last_feature_map_is_refused(name, smallest, w
         nnx.eval_shape(lambda: get_model(name, num_features=8, input_size=smallest - 1))
 
 
+@pytest.mark.parametrize("name", ["r18", "mbf"])
+def test_a_cnn_takes_an_input_that_is_not_a_multiple_of_16(name):
+    """Its stride-2 convolutions keep a partial last window (40 px → 20 → 10 → 5 → 3), as torch's do; the head was
+    sized for 40 // 16 = 2 and the forward failed in a dot_general."""
+    for size in (40, 50):
+        model = nnx.eval_shape(lambda: get_model(name, num_features=8, input_size=size, **small_kwargs(name)))
+        out = nnx.eval_shape(lambda m, x: m(x), model, jax.ShapeDtypeStruct((2, size, size, 3), jnp.float32))
+        assert out.shape == (2, 8)
+
+
+def test_a_vit_whose_heads_do_not_divide_its_width_is_refused():
+    with pytest.raises(ValueError, match="a ViT's dim 36 must be a multiple of its 8 heads"):
+        nnx.eval_shape(lambda: get_model("vit_t", num_features=8, dim=36, depth=1))
+
+
 def test_an_iresnets_stages_set_its_depth_and_bad_ones_are_refused():
     """``stages`` overrides the name's blocks per stage: an r50 with r34's stages is an r34; a stage of one block has
     no stack of identical ones."""
@@ -118,11 +133,16 @@ def test_an_iresnets_stages_set_its_depth_and_bad_ones_are_refused():
             get_model("r18", stages=bad)
 
 
+def small_kwargs(name) -> dict:
+    """A CPU-sized instance's arguments: IResNets at 1/4 width, MobileFaceNets with one block of each kind, ViTs of 2
+    blocks (every layer kind stays: a ViT's second block has a drop path)."""
+    return dict([{"r": ("width", 16), "m": ("blocks", (1, 1, 1, 1)), "v": ("depth", 2)}[name[0]]])
+
+
 def small(name, **kwargs):
-    """A CPU-sized instance: ViTs of 2 blocks at 18×18, IResNets at 1/4 width, MobileFaceNets with one block of each
-    kind, 32×32. (Every layer kind stays: a ViT's second block has a drop path.)"""
+    """A CPU-sized instance (``small_kwargs``) at 32×32, ViTs at 18×18."""
     size = 18 if name.startswith("vit") else 32
-    kwargs.setdefault(*{"r": ("width", 16), "m": ("blocks", (1, 1, 1, 1)), "v": ("depth", 2)}[name[0]])
+    kwargs = small_kwargs(name) | kwargs
     return create(lambda: get_model(name, num_features=16, input_size=size, **kwargs)), size
 
 

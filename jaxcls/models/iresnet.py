@@ -64,7 +64,7 @@ class IResNet(nnx.Module):
         self.firsts, self.rests = nnx.List(firsts), nnx.List(rests)
         self.bn2 = BatchNorm(in_ch, dtype=dtype, groups=bn_groups)
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
-        spatial = reduced_size(input_size, 16, "an IResNet halves four times")
+        spatial = reduced_size(input_size, 16, "an IResNet halves four times", padded=True)
         self.fc = nnx.Linear(in_ch * spatial * spatial, num_features, dtype=jnp.float32, rngs=rngs)
         self.features = BatchNorm(num_features, dtype=jnp.float32, use_scale=False, groups=bn_groups)
 

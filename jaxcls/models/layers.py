@@ -32,11 +32,13 @@ _BN_BACKWARD = Forms("BatchNorm backward", BN_BACKWARDS)
 bn_backward_forced = _BN_BACKWARD.forced
 
 
-def reduced_size(input_size: int, factor: int, what: str) -> int:
-    """``input_size // factor``, the side a backbone's last feature map has; refused where it would be 0."""
+def reduced_size(input_size: int, factor: int, what: str, padded: bool = False) -> int:
+    """The side a backbone's last feature map has: ``input_size // factor`` (a ViT's patches), or rounded up where
+    ``padded`` stride-2 convolutions keep a partial last window (a CNN's four halvings: 40 px → 3); refused below
+    ``factor``."""
     if input_size < factor:
         raise ValueError(f"input_size {input_size} is below the {factor} pixels {what}")
-    return input_size // factor
+    return -(-input_size // factor) if padded else input_size // factor
 
 
 class PReLU(nnx.Module):

@@ -63,7 +63,7 @@ class MobileFaceNet(nnx.Module):
         self.layers = nnx.List(layers)
         head = dict(kw, dtype=jnp.float32)
         self.conv_sep = ConvBlock(c2, 512, **head)
-        spatial = reduced_size(input_size, 16, "a MobileFaceNet halves four times")
+        spatial = reduced_size(input_size, 16, "a MobileFaceNet halves four times", padded=True)
         self.gdc = ConvBlock(512, 512, spatial, 1, 0, groups=512, linear=True, **head)
         self.linear = nnx.Linear(512, num_features, use_bias=False, kernel_init=_INIT, rngs=rngs)
         self.features = BatchNorm(num_features, dtype=jnp.float32, groups=bn_groups)

@@ -57,6 +57,8 @@ class VisionTransformer(nnx.Module):
                  input_size: int = 112, drop_path: float = 0.1, mask_ratio: float = 0.1, act: str = "relu6",
                  dtype=jnp.float32, remat: str = "none", bn_groups: int = 1, rngs: nnx.Rngs):
         """``bn_groups``: see ``BatchNorm`` (the head's two; LayerNorm needs no batch statistics)."""
+        if dim % heads:
+            raise ValueError(f"a ViT's dim {dim} must be a multiple of its {heads} heads")
         self.dtype, self.remat, self.mask_ratio, self.rngs = dtype, remat, mask_ratio, rngs
         self.patch = patch
         self.tokens = reduced_size(input_size, patch, "of a ViT's patch") ** 2
