@@ -291,6 +291,19 @@ def test_only_the_counterparts_of_arcface_torch_go_back_to_torch():
         arcface_name(config)
 
 
+def test_each_arcface_vit_masks_as_arcface_torch_trains_it():
+    """vit_h masks no token; the "mask_005" ViTs mask 10%, as arcface_torch's forward (it calls random_masking
+    without their ratio, whose default is 0.1); the others as their names say."""
+    from jaxcls.interop.arcface_torch import jaxcls_model
+    from jaxcls.models import get_model
+    masked = {}
+    for name in ("vit_t", "vit_t_dp005_mask0", "vit_b_dp005_mask_005", "vit_l_dp005_mask_005", "vit_h"):
+        model, kwargs = jaxcls_model(name)
+        masked[name] = nnx.eval_shape(lambda: get_model(model, 8, **{**kwargs, "depth": 1})).mask_ratio
+    assert masked == {"vit_t": 0.1, "vit_t_dp005_mask0": 0.0, "vit_b_dp005_mask_005": 0.1,
+                      "vit_l_dp005_mask_005": 0.1, "vit_h": 0.0}
+
+
 def _with(config, **model_kwargs):
     config.model_kwargs = dict(config.model_kwargs, **model_kwargs)
     return config

@@ -55,13 +55,13 @@ ARCFACE_MODELS = {
     **{name: (name, {}) for name in ("r18", "r34", "r50", "r100", "r200")},
     "mbf": ("mbf", {}),
     "mbf_large": ("mbf", {"blocks": (2, 8, 12, 4), "scale": 4}),
-    # the ViTs' drop-path and mask ratios are training settings no state dict records: kept for fine-tuning
-    **{name: (name, {}) for name in ("vit_t", "vit_s", "vit_b")},
+    # the ViTs' drop-path and mask ratios are training settings no state dict records: kept for fine-tuning. The
+    # "mask_005" ViTs mask 10%: arcface_torch's forward calls random_masking without its ratio, whose default is 0.1
+    **{name: (name, {}) for name in ("vit_t", "vit_s", "vit_b", "vit_h")},
     "vit_t_dp005_mask0": ("vit_t", {"drop_path": 0.05, "mask_ratio": 0.0}),
     "vit_s_dp005_mask_0": ("vit_s", {"drop_path": 0.05, "mask_ratio": 0.0}),
-    "vit_b_dp005_mask_005": ("vit_b", {"drop_path": 0.05, "mask_ratio": 0.05}),
-    "vit_l_dp005_mask_005": ("vit_l", {"drop_path": 0.05, "mask_ratio": 0.05}),
-    "vit_h": ("vit_h", {"mask_ratio": 0.0}),
+    "vit_b_dp005_mask_005": ("vit_b", {"drop_path": 0.05}),
+    "vit_l_dp005_mask_005": ("vit_l", {"drop_path": 0.05}),
 }
 UNSUPPORTED = {"r2060": "jaxcls has no IResNet-2060"}  # arcface_torch backbones this converter does not take, and why
 INPUT_SIZE = 112  # arcface_torch's backbones are built for 112×112 (IResNet fc_scale 7·7, MobileFaceNet's 7×7 GDC)

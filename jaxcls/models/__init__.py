@@ -19,15 +19,15 @@ from flax import nnx
 from jaxcls.models.iresnet import STAGES, IResNet
 from jaxcls.models.layers import REMAT_POLICIES
 from jaxcls.models.mobilefacenet import MobileFaceNet
-from jaxcls.models.vit import SIZES as VIT_SIZES, VisionTransformer
+from jaxcls.models.vit import NAME_DEFAULTS as VIT_DEFAULTS, SIZES as VIT_SIZES, VisionTransformer
 from jaxcls.precision import compute_dtype
 from jaxcls.registry import lookup
 
 MODELS = {
     **{name: partial(IResNet, stages=stages) for name, stages in STAGES.items()},  # model_kwargs may set stages
     "mbf": MobileFaceNet,
-    **{name: partial(VisionTransformer, dim=dim, depth=depth, heads=heads)  # model_kwargs may set any of them
-       for name, (dim, depth, heads) in VIT_SIZES.items()},
+    **{name: partial(VisionTransformer, dim=dim, depth=depth, heads=heads, **VIT_DEFAULTS.get(name, {}))
+       for name, (dim, depth, heads) in VIT_SIZES.items()},  # model_kwargs may set any of them
 }
 
 

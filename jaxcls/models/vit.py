@@ -18,6 +18,7 @@ from jaxcls.models.layers import ACTIVATIONS, BatchNorm, reduced_size, remat_cal
 _INIT = nnx.initializers.truncated_normal(0.02)
 SIZES = {"vit_t": (256, 12, 8), "vit_s": (512, 12, 8), "vit_b": (512, 24, 8), "vit_l": (768, 24, 8),
          "vit_h": (1024, 48, 8)}  # arcface_torch's: (embedding width, blocks, heads)
+NAME_DEFAULTS = {"vit_h": {"mask_ratio": 0.0}}  # arcface_torch's vit_h masks no token (the others 10%)
 
 
 class Block(nnx.Module):
