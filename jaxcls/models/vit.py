@@ -46,8 +46,10 @@ class Block(nnx.Module):
         return self.proj(jax.nn.dot_product_attention(q, k, v).reshape(n, t, d))
 
     def __call__(self, x):
-        x = x + self._drop_path(self._attention(self.norm1(x)))
-        x = x + self._drop_path(self.fc2(self.act(self.fc1(self.norm2(x)))))
+        """``x [N, T, D]`` float32, the residual stream: the branches compute in the layers' dtype and are added in
+        float32, as under torch's autocast."""
+        x = x + self._drop_path(self._attention(self.norm1(x))).astype(x.dtype)
+        x = x + self._drop_path(self.fc2(self.act(self.fc1(self.norm2(x))))).astype(x.dtype)
         return tag_block_output(x)
 
 
@@ -77,8 +79,8 @@ class VisionTransformer(nnx.Module):
 
     def __call__(self, x):
         n = x.shape[0]
-        x = self.patch_embed(x.astype(self.dtype))
-        x = x.reshape(n, -1, x.shape[-1]) + self.pos_embed[...].astype(self.dtype)
+        x = self.patch_embed(x.astype(self.dtype)).astype(jnp.float32)
+        x = x.reshape(n, -1, x.shape[-1]) + self.pos_embed[...]
         masking = not self.deterministic and self.mask_ratio > 0
         if masking:  # keep a random subset of tokens per image
             keep = int(self.tokens * (1 - self.mask_ratio))
@@ -86,7 +88,7 @@ class VisionTransformer(nnx.Module):
             x = jnp.take_along_axis(x, order[:, :keep, None], axis=1)
         for block in self.blocks:
             x = remat_call(block, x, self.remat)
-        x = self.norm(x.astype(jnp.float32))
+        x = self.norm(x)
         if masking:  # put the kept tokens back in place, the mask token everywhere else
             full = jnp.broadcast_to(self.mask_token[...], (n, self.tokens, x.shape[-1]))
             x = full.at[jnp.arange(n)[:, None], order[:, :keep]].set(x)
