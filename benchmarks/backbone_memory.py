@@ -1,7 +1,7 @@
 """Backbone memory and CPU step time per precision × remat policy, and fused vs unfused ops.
 
     python benchmarks/backbone_memory.py            # r50 at 112×112, batch 8 (timing: batch 2, 2 steps)
-    python benchmarks/backbone_memory.py --small    # the small r18 at 32×32, one two-block ViT-t row; what the tests run
+    python benchmarks/backbone_memory.py --small    # the small r18 at 32 px, a two-block ViT-t; what the tests run
 
 Columns: ``saved_bytes`` = activations kept for the backward (the vjp residuals, exact on any backend);
 ``temp_bytes`` = compiled temp memory of a full gradient step from ``memory_analysis()``. IResNet scans its
