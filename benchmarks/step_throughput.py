@@ -3,7 +3,8 @@
     python benchmarks/step_throughput.py                 # GPU grid: r50/r100 at batch 128/256/512, mbf at 512;
                                                          # 1M classes, PartialFC 0.1, bf16; data already on the device
     python benchmarks/step_throughput.py --pipeline DIR  # the same step fed by the RecordIO pipeline from DIR
-    python benchmarks/step_throughput.py --small         # r18 (width 8) at 32×32 on 8 CPU devices; what the tests run
+    python benchmarks/step_throughput.py --small         # r18 (width 8) at 32×32 on 8 CPU devices, 16-row FC tiles;
+                                                         # what the tests run
     python benchmarks/step_throughput.py --cpu --bn_sync both --steps 5   # r50 at 112×112, batch 16, float32 on 8
                                                          # CPU devices, BatchNorm statistics per device and over the
                                                          # global batch
@@ -69,7 +70,9 @@ def main():
     syncs = {"off": [False], "on": [True], "both": [False, True]}[args.bn_sync]
     rows = []
     for spec, bn_sync in itertools.product(grid, syncs):
-        config = benchmark_config(small=args.small, overrides=args.set, **dict(zip(CONFIG_KEYS, spec)), bn_sync=bn_sync)
+        tiles = {"chunk_size": 16} if args.small else {}  # --small: several FC tiles a shard, as the full run's
+        config = benchmark_config(small=args.small, overrides=args.set, **dict(zip(CONFIG_KEYS, spec)), bn_sync=bn_sync,
+                                  **tiles)
         with (grouped_conv.forced(args.grouped_conv), fc_kernels(args.fc_kernels),
               layers.bn_backward_forced(args.bn_backward)):
             row = time_train_step(config, steps, args.pipeline, warmup)
