@@ -68,9 +68,9 @@ def main():
     grid = select(grid, KEYS, args.only)
     steps, warmup = args.steps or steps, warmup if args.warmup is None else args.warmup
     syncs = {"off": [False], "on": [True], "both": [False, True]}[args.bn_sync]
+    tiles = {"chunk_size": 16} if args.small else {}  # --small: several FC tiles a shard, as the full run's
     rows = []
     for spec, bn_sync in itertools.product(grid, syncs):
-        tiles = {"chunk_size": 16} if args.small else {}  # --small: several FC tiles a shard, as the full run's
         config = benchmark_config(small=args.small, overrides=args.set, **dict(zip(CONFIG_KEYS, spec)), bn_sync=bn_sync,
                                   **tiles)
         with (grouped_conv.forced(args.grouped_conv), fc_kernels(args.fc_kernels),
