@@ -88,8 +88,9 @@ def main():
     parser.add_argument("--model", default="r18")
     parser.add_argument("--input-size", type=int, default=32)
     parser.add_argument("--loss-alone", action="store_true", help="instead: the bytes of the loss alone at C = 1M, "
-                        "N = 512 (whole and in benchmarks/loss.py's chunks), and their time at 3.35 TB/s")
-    parser.add_argument("--target", default="h100")
+                        "N = 512 (whole and in benchmarks/loss.py's chunks), and their time at the "
+                        "target's datasheet bandwidth")
+    parser.add_argument("--target", default="h100", choices=list(gpu_target.TARGETS))
     parser.add_argument("--fc-kernels", choices=FC_KERNELS, default=None, help=FC_KERNELS_HELP)
     parser.add_argument("--fc-weight-rounding", choices=["nearest", "stochastic"], default="nearest",
                         help="how a bfloat16 weight's updated rows are rounded (stochastic: bfloat16 only)")
@@ -108,19 +109,20 @@ def main():
     args.classes = args.classes or ([65_536, 262_144] if args.small else [4_000_000, 16_000_000])
     device = gpu_target.gpu_devices(args.target, 1)[0]
     with fc_kernels(args.fc_kernels):
-        rows = loss_alone_rows(device) if args.loss_alone else per_row_rows(args, device)
+        rows = loss_alone_rows(device, args.target) if args.loss_alone else per_row_rows(args, device)
     write_json(args.out, [dict(row, fc_kernels=args.fc_kernels or "platform") for row in rows])
 
 
-def loss_alone_rows(device) -> list[dict]:
-    rows = []
+def loss_alone_rows(device, target: str) -> list[dict]:
+    rows, tb_per_s = [], gpu_target.DATASHEET_TB_PER_S[target]
+    at = f"ms_at_{tb_per_s}_TB_per_s"  # the key names the bandwidth, so rows of two targets never read as one
     for chunk in (None, 131_072):
         lines, temp = loss_alone_bytes(512, 1 << 20, chunk, device)
         moved = sum(lines.values())
         rows.append({"loss": "sharded" if chunk is None else f"sharded chunk={chunk}", "N": 512, "C": 1 << 20,
-                     "moved_GiB": moved / 2**30, "ms_at_3.35_TB_per_s": moved / 3.35e12 * 1e3, "temp_GB": temp / 1e9,
+                     "moved_GiB": moved / 2**30, at: moved / (tb_per_s * 1e12) * 1e3, "temp_GB": temp / 1e9,
                      "GiB_by_line": {k: v / 2**30 for k, v in lines.most_common() if v >= 2**28}})
-    print_table(rows, ["loss", "N", "C", "moved_GiB", "ms_at_3.35_TB_per_s", "temp_GB"])
+    print_table(rows, ["loss", "N", "C", "moved_GiB", at, "temp_GB"])
     return rows
 
 

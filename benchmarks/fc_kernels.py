@@ -265,6 +265,9 @@ def main():
     parser.add_argument("--batch", type=int, default=None, help="N embeddings (default 128; --small 100)")
     parser.add_argument("--out", default="fc_kernels.json")
     args = parser.parse_args()
+    if args.registers and (ignored := [f"--{name}" for name in ("small", "kernel", "update") if getattr(args, name)]):
+        parser.error(f"--registers compiles every row kernel at the full sizes for an H100: {', '.join(ignored)} "
+                     "would be ignored")
     variants, combinations = _variants(args.fc_kernels, args.set), _settings(args.set)
     runs = [(variant, settings) for variant in variants for settings in combinations]
     if args.registers:

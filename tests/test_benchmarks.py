@@ -1,6 +1,7 @@
 """Every benchmark's --small mode runs and writes well-formed JSON (no timing asserts); the scripts stand alone."""
 
 import ast
+import collections
 import importlib.util
 import json
 import os
@@ -251,12 +252,25 @@ def test_the_sort_free_partialfc_draw_takes_the_rows_jaxcls_takes(rng):
     ("fc_bytes_per_row", ["--loss-alone", "--batch", "64"],
      "--loss-alone measures N = 512, C = 1M, a float32 weight: --batch would be ignored"),
     ("input_pipeline", ["--root", "/no/such/folder"], "no train.rec in --root /no/such/folder"),
-    ("input_pipeline", ["--small", "--root", "x"], "--small generates its own file: --root would be ignored")])
+    ("input_pipeline", ["--small", "--root", "x"], "--small generates its own file: --root would be ignored"),
+    ("fc_kernels", ["--registers", "--small", "--update", "sgd/float32/float32"],
+     "--registers compiles every row kernel at the full sizes for an H100: --small, --update would be ignored"),
+    ("fc_bytes_per_row", ["--loss-alone", "--target", "h300"], "argument --target: invalid choice: 'h300'")])
 def test_an_option_a_script_would_not_use_is_refused(script, args, message, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", [f"{script}.py", *args])
     with pytest.raises(SystemExit) as exited:
         benchmark(script).main()
     assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("target, key, ms", [("h100", "ms_at_3.35_TB_per_s", 1.0), ("h200", "ms_at_4.8_TB_per_s",
+                                                                                       3.35 / 4.8)])
+def test_the_loss_alones_time_is_at_the_targets_own_bandwidth(target, key, ms, monkeypatch):
+    """3.35 GB moved is 1 ms on an H100 (3.35 TB/s) and 0.70 ms on an H200 (4.8 TB/s), the key naming which."""
+    script = benchmark("fc_bytes_per_row")
+    monkeypatch.setattr(script, "loss_alone_bytes", lambda *args: (collections.Counter({"line": 3.35e9}), 0))
+    rows = script.loss_alone_rows(None, target)
+    assert len(rows) == 2 and all(row[key] == pytest.approx(ms) for row in rows)
 
 
 @pytest.mark.slow

@@ -26,6 +26,8 @@ from jaxcls.startup import PLUGINS, plugin_installed, stderr_into
 
 TARGETS = {"h100": "h100.txtpb", "h200": "h200.txtpb", "a100-80gb": "a100-80gb.txtpb"}
 SPECS = Path(__file__).parent / "gpu_targets"
+# Each target's memory bandwidth by its datasheet (TB/s), for reading a compile-only program's bytes as a time
+DATASHEET_TB_PER_S = {"h100": 3.35, "h200": 4.8, "a100-80gb": 2.039}
 # CUB's radix sort (PartialFC's top_k) asks the CUDA runtime for the device while the executable is built;
 # XLA's own sort needs no device and the same buffers (measured: equal temporaries with CUB on a GPU)
 COMPILE_OPTIONS = {"xla_gpu_enable_cub_radix_sort": False}
