@@ -293,7 +293,9 @@ def face_config(*, root, num_classes, num_images, epochs, model="r50", margin=("
     c.sample_rate = sample_rate
     c.optimizer, c.lr, c.weight_decay = optimizer, lr, weight_decay
     c.batch_size = batch  # global: arcface_torch's per-GPU batch × 8 GPUs
-    steps_per_epoch = num_images // batch
+    # steps from the global batch where they are read, as train_v2.py counts them when it starts: a batch set on the
+    # command line keeps the epochs (a total_steps or warmup_steps set there replaces its count)
+    steps_per_epoch = ml_collections.FieldReference(num_images) // c.get_ref("batch_size")
     c.total_steps = steps_per_epoch * epochs
     c.warmup_steps = steps_per_epoch * warmup_epochs
     c.lr_power = 1.0  # train_v2.py's PolynomialLRWarmup (the base config's 2 is its older train.py's PolyScheduler)

@@ -55,6 +55,26 @@ def test_a_face_recipe_is_arcface_torchs_config_of_its_name(name):
     assert [str(p) for p in eval_bin_paths(c)] == [f"/data/elsewhere/{n}.bin" for n in ("lfw", "cfp_fp", "agedb_30")]
 
 
+def test_a_face_recipes_batch_set_on_the_command_line_keeps_its_epochs(monkeypatch):
+    """arcface_torch counts steps from the global batch when it starts: ms1mv3_r50 at batch 128 is still 20 epochs of
+    5,179,510 images (809,280 steps, not the 101,160 of batch 1,024); a step count given as well is taken as given."""
+    path = Path(__file__).resolve().parents[1] / "configs" / "ms1mv3_r50.py"
+    for extra, steps in [([], 5_179_510 // 128 * 20), (["--config.total_steps=500"], 500)]:
+        argv = ["train", "--config", str(path), "--config.batch_size=128", *extra]
+        values = flags.FlagValues()
+        monkeypatch.setattr(sys, "argv", argv)  # where ml_collections looks for the overrides it defines
+        define_config_flag(values)
+        values(argv)
+        assert (values.config.batch_size, values.config.total_steps) == (128, steps)
+        assert from_json(values.config.to_json_best_effort()).total_steps == steps  # saved as the number
+    c = load(path)
+    c.batch_size, c.warmup_steps = 2048, 7
+    assert (c.total_steps, c.warmup_steps) == (5_179_510 // 2048 * 20, 7)
+    wf42m = load(path.parent / "wf42m_pfc02_32gpus_r50_bs4k.py")
+    wf42m.batch_size = 1024  # its 2 warmup epochs follow the batch too
+    assert (wf42m.warmup_steps, wf42m.total_steps) == (42_474_557 // 1024 * 2, 42_474_557 // 1024 * 20)
+
+
 def test_unknown_key():
     c = tiny_config()
     c.unlock()
