@@ -19,9 +19,12 @@ from jax.sharding import Mesh
 
 from jaxcls.config import check_data_classes, fc_state_dtype, validate
 from jaxcls.data.augment import Augment
+from jaxcls.data.images import decode_image
 from jaxcls.data.pipeline import HostBatches
 from jaxcls.data.sources import SOURCES, make_source
+from jaxcls.errors import DataError
 from jaxcls.fc import FCHead
+from jaxcls.fc.sampling import sample_budget
 from jaxcls.losses.margins import MARGINS, CombinedMargin
 from jaxcls.mesh import CLASS_AXES, batch_sharding, class_shards, host_rows, make_mesh, replicated, state_shardings
 from jaxcls.models import make_model, one_off_compile_options, split_model
@@ -93,7 +96,13 @@ class Run:
         c, head = self.config, self.train_step.head
         params = sum(x.size for x in jax.tree.leaves(self.abstract_state["params"]))
         shards = class_shards(self.mesh, head.class_axes)
-        sampling = f"PartialFC {c.sample_rate:g}" if c.sample_rate < 1 else "no PartialFC"
+        sampling = "no PartialFC"
+        if c.sample_rate < 1:  # the sample is never smaller than the global batch: a rate can be more in effect
+            rows, budget = head.rows // shards, sample_budget(head.rows // shards, c.batch_size, c.sample_rate)
+            floor = budget > sample_budget(rows, 0, c.sample_rate)
+            sampling = (f"PartialFC {c.sample_rate:g}: {budget:,} of {rows:,} rows a shard"
+                        + (f" ({budget / rows:.2g} in effect: never fewer than the global batch's {c.batch_size})"
+                           if floor else ""))
         data = "no training data opened" if self.source is None else (
             f"{len(self.source):,} images of {self.source.num_classes():,} classes")
         return [
@@ -108,9 +117,24 @@ class Run:
             f"({self.mesh.devices.flat[0].platform}, {jax.process_count()} process(es)); global batch "
             f"{c.batch_size} ({c.batch_size // self.mesh.size} per device); optimizer {c.optimizer} lr {c.lr:g}",
             f"data {c.data.kind}{' ' + c.data.root if c.data.root else ''}: {data}; "
-            f"input {c.data.input_size}×{c.data.input_size}; augment: "
+            f"input {c.data.input_size}×{c.data.input_size}{stored_size(self.source, c.data.input_size)}; augment: "
             + ", ".join(Augment.from_config(c.data.augment).names() + ["flip"] * c.data.flip or ["none"]),
         ]
+
+
+def stored_size(source, size: int) -> str:
+    """`` (stored H×W, resized)`` where a data set's first image is not ``size``×``size`` (every image is resampled to
+    the input size; ``stretched`` where it is not square), else nothing; nothing for generated data or an image that
+    does not decode (the pipeline meets it under the run's bad-records policy)."""
+    if source is None or source.generated or not len(source):
+        return ""
+    try:
+        height, width = decode_image(source.raw(0)[0], source.where(0)).shape[:2]
+    except DataError:
+        return ""
+    if (height, width) == (size, size):
+        return ""
+    return f" (stored {height}×{width}, {'resized' if height == width else 'stretched to a square'})"
 
 
 def make_margin(margin_config) -> CombinedMargin:

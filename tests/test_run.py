@@ -3,6 +3,7 @@
 import jax
 import numpy as np
 import pytest
+from PIL import Image
 
 from jaxcls import weight_sharding
 from jaxcls.losses import MARGINS
@@ -53,9 +54,33 @@ def test_without_data_opens_nothing_but_generated_sources(tmp_path):
     assert build(tiny_config(), with_data=False).source is not None  # procedural: made on the fly
 
 
+@pytest.mark.parametrize("classes, batch, line", [
+    (8 * 1000, 32, "PartialFC 0.5: 500 of 1,000 rows a shard\nmesh"),  # the rate as asked
+    (8 * 1000, 800,
+     "PartialFC 0.5: 800 of 1,000 rows a shard (0.8 in effect: never fewer than the global batch's 800)")])
+def test_summary_gives_partialfcs_rate_in_effect(classes, batch, line):
+    c = tiny_config(num_classes=classes, batch_size=batch, sample_rate=0.5)
+    assert line in "\n".join(build(c, with_data=False).summary())
+
+
+@pytest.mark.parametrize("height, width, note", [(16, 16, "input 16×16; augment"),
+                                                  (32, 32, "input 16×16 (stored 32×32, resized); augment"),
+                                                  (20, 16, "input 16×16 (stored 20×16, stretched to a square)")])
+def test_summary_says_where_the_stored_images_are_resampled(tmp_path, height, width, note):
+    """Every image is resampled to data.input_size (arcface_torch would not train on a 112×96 set at all): the run's
+    data line says so from the first image."""
+    for name in ("a/1.png", "b/1.png"):
+        (tmp_path / name).parent.mkdir()
+        Image.fromarray(np.zeros((height, width, 3), np.uint8)).save(tmp_path / name)
+    c = tiny_config()
+    c.data.kind, c.data.root = "folder", str(tmp_path)
+    assert note in build(c).summary()[-1]
+
+
 def test_summary_names_the_resolved_run(run_and_state):
     text = "\n".join(run_and_state[0].summary())
-    for part in ("model r18", "64 classes × 32", "8 class shards, 8 rows per device", "PartialFC 0.5",
+    for part in ("model r18", "64 classes × 32", "8 class shards, 8 rows per device",
+                 "PartialFC 0.5: 8 of 8 rows a shard (1 in effect: never fewer than the global batch's 32)",
                  "data=1 × class=8", "global batch 32 (4 per device)", "512 images of 64 classes",
                  "BatchNorm statistics per device"):
         assert part in text, (part, text)
