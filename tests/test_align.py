@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from jaxcls.data.align import ARCFACE_TEMPLATE, align_face, similarity_transform, warp_affine
+from jaxcls.data.align import ARCFACE_TEMPLATE, align_face, similarity_transform, template, warp_affine
 
 
 def rotation(angle, scale):
@@ -44,3 +44,12 @@ def test_align_face_maps_the_landmarks_onto_the_template_and_refuses_bad_ones(rn
         align_face(image, np.where(np.eye(5, 2, dtype=bool), np.nan, landmarks))
     with pytest.raises(ValueError, match="all coincide"):
         align_face(image, np.full((5, 2), 60.0))
+
+
+def test_the_template_at_other_sizes_is_insightfaces():
+    """insightface's estimate_norm: a multiple of 112 scales the 112 px points; a multiple of 128 (not of 112) scales
+    them by size / 128 and moves them 8 · size / 128 to the right; the first point at 128 px: (46.2946, 51.6963)."""
+    np.testing.assert_allclose(template(224), ARCFACE_TEMPLATE * 2)
+    np.testing.assert_allclose(template(128)[0], [46.2946, 51.6963])
+    np.testing.assert_allclose(template(256), (ARCFACE_TEMPLATE + [8, 0]) * 2)
+    np.testing.assert_allclose(template(896), ARCFACE_TEMPLATE * 8)  # both: 112's, as insightface checks it first

@@ -6,16 +6,18 @@ import io
 import pickle
 import struct
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from PIL import Image
 
 from jaxcls.data import images
-from jaxcls.data.recordio import MAGIC, MXFaceDataset, pack, write_records
+from jaxcls.data.recordio import MAGIC, MXFaceDataset, RecordFile, pack, write_records
 from jaxcls.errors import DataError
 from jaxcls.data.images import decode_image
 
+original_read = RecordFile.read
 GLYPHS = Path(__file__).resolve().parents[2] / "shared" / "data" / "glyphs"
 needs_glyphs = pytest.mark.skipif(not (GLYPHS / "train.rec").exists(),
                                   reason=f"glyphs data set not found at {GLYPHS} (../shared/data/glyphs)")
@@ -306,11 +308,12 @@ def test_continuation_chunk_where_a_record_starts(tmp_path):
         MXFaceDataset(root)[1]
 
 
-@pytest.mark.parametrize("label", [float("nan"), -1.0, 2.5])
+@pytest.mark.parametrize("label", [float("nan"), -1.0, 2.5, 2.0**31])
 def test_a_label_that_is_not_a_class_number(tmp_path, label):
     ds = MXFaceDataset(write_records(tmp_path, {0: pack(0.0, jpeg(0)), 1: pack(label, jpeg(1))}))
-    with pytest.raises(DataError, match=r"key 1, .idx line 2, byte offset \d+\): label .* is not a class number"):
-        ds.raw(1)
+    for read in (lambda: ds.raw(1), ds.num_classes):  # a record read, and the count of classes from the headers
+        with pytest.raises(DataError, match=r"key 1, .idx line 2, byte offset \d+\): label .* is not a class number"):
+            read()
 
 
 def test_a_key_twice_in_the_index(tmp_path):
@@ -326,3 +329,45 @@ def test_a_damaged_header_record_is_no_header(tmp_path, labels):
     assert ds.header_classes is None and len(ds) == 5
     with pytest.raises(DataError, match=r"train.rec \(key 0, .idx line 1, byte offset 0\): record holds no image"):
         ds.raw(0)
+
+
+def test_labels_of_a_file_without_a_header_are_read_from_the_headers_alone(tmp_path, monkeypatch, rng):
+    """Without insightface's header record the classes are counted from every record: whole records from their first
+    ~40 bytes, many at once (im2rec's and shuffle_rec.py's files of tens of millions of images); a split record or
+    one with several labels is read as ``raw`` reads it, and a bad one stops the count with ``raw``'s error, or with
+    ``bad_records = "skip"`` is left out."""
+    labels = rng.integers(0, 50, size=40)
+    payloads = {k: pack(float(label), jpeg(k)) for k, label in enumerate(labels)}
+    payloads[7] = pack([float(labels[7]), 3.0], jpeg(7))  # flag 2: the first of its labels
+    magic = struct.pack("<I", MAGIC)
+    image = jpeg(11)  # split where the magic occurs: read whole
+    payloads[11] = pack(float(labels[11]), image + b"\0" * (-(24 + len(image)) % 4) + magic + b"tail")
+    root = write_records(tmp_path, payloads)
+    reads = []
+    monkeypatch.setattr(RecordFile, "read", lambda self, offset, where=None: reads.append(offset) or
+                        original_read(self, offset, where))
+    ds = MXFaceDataset(root)
+    reads.clear()  # record 0, read to look for a header
+    np.testing.assert_array_equal(ds.labels(), labels)
+    assert ds.num_classes() == labels.max() + 1 and len(reads) == 1  # the split record alone
+    assert [ds.raw(i)[1] for i in range(len(ds))] == labels.tolist()
+
+    offsets = [int(line.split("\t")[1]) for line in (root / "train.idx").read_text().splitlines()]
+    data = bytearray((root / "train.rec").read_bytes())
+    data[offsets[5]:offsets[5] + 4] = b"JUNK"
+    (root / "train.rec").write_bytes(bytes(data))
+    with pytest.raises(DataError, match=rf"train.rec \(key 5, .idx line 6, byte offset {offsets[5]}\): bad magic"):
+        MXFaceDataset(root).num_classes()
+    skipping = MXFaceDataset.from_config(SimpleNamespace(root=root, bad_records="skip"), 50)
+    assert skipping.labels()[5] == -1 and skipping.num_classes() == np.delete(labels, 5).max() + 1
+
+
+
+def test_a_16_bit_greyscale_png_keeps_the_high_byte_of_its_levels(rng):
+    """As OpenCV's colour read (mxnet's imdecode): level >> 8 in three channels, where Pillow's convert("RGB")
+    clips every level above 255 to white."""
+    levels = rng.integers(0, 65536, (12, 10)).astype(np.uint16)
+    buf = io.BytesIO()
+    Image.fromarray(levels).save(buf, "PNG")
+    assert Image.open(io.BytesIO(buf.getvalue())).mode == "I;16"
+    np.testing.assert_array_equal(decode_image(buf.getvalue(), "x.png"), np.repeat((levels >> 8)[..., None], 3, -1))

@@ -58,7 +58,14 @@ def test_image_folder_errors(tmp_path):
     with pytest.raises(ValueError, match="no class folders"):
         ImageFolder(tmp_path)
     (tmp_path / "a").mkdir()
-    with pytest.raises(ValueError, match="no images in 1 class folders"):
+    with pytest.raises(ValueError, match="no images in 1 of its 1 class folders: a "):
+        ImageFolder(tmp_path)
+    for name in ("b/1.png", "d/1.png"):  # a class without images between two with: no class it would never train
+        (tmp_path / name).parent.mkdir()
+        Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(tmp_path / name)
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "notes.txt").write_text("not an image")
+    with pytest.raises(ValueError, match=r"no images in 2 of its 4 class folders: a, c \(looked for"):
         ImageFolder(tmp_path)
 
 

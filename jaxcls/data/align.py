@@ -53,4 +53,12 @@ def align_face(image: np.ndarray, landmarks: np.ndarray, size: int = 112) -> np.
     landmarks = np.asarray(landmarks, np.float64)
     if landmarks.shape != (5, 2) or not np.isfinite(landmarks).all():
         raise ValueError(f"expected five finite (x, y) landmarks, got {landmarks.tolist()}")
-    return warp_affine(image, similarity_transform(landmarks, ARCFACE_TEMPLATE * size / 112), size)
+    return warp_affine(image, similarity_transform(landmarks, template(size)), size)
+
+
+def template(size: int) -> np.ndarray:
+    """The five points ``[5, 2]`` in a ``size``×``size`` crop, as insightface's ``estimate_norm`` places them: scaled
+    from 112 px, or for a multiple of 128 (and not of 112) scaled from 128 px and 8/128 of the size to the right."""
+    if size % 112 and not size % 128:
+        return ARCFACE_TEMPLATE * size / 128 + [8 * size / 128, 0]
+    return ARCFACE_TEMPLATE * size / 112

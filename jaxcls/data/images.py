@@ -106,9 +106,18 @@ def decode_image(data: bytes, where="image", at_least: int = 0) -> np.ndarray:
             _check_pixels(*img.size)
             img.verify()
         with _pillow_open(io.BytesIO(data)) as img:
-            return np.asarray(img.convert("RGB"))
+            return _rgb(img)
     except Exception as e:  # Pillow raises many types on damaged data: every one is a bad image
         raise DataError(f"{location(where)}: cannot decode image: {e}") from e
+
+
+def _rgb(img: Image.Image) -> np.ndarray:
+    """uint8 ``[H, W, 3]``; 16-bit grey levels (a 16-bit greyscale PNG) keep their high byte, as OpenCV's colour read
+    does (Pillow's ``convert`` would clip them at 255)."""
+    if img.mode.startswith("I;16") or img.mode == "I":
+        grey = (np.asarray(img).astype(np.int64) >> 8).clip(0, 255).astype(np.uint8)
+        return np.repeat(grey[..., None], 3, axis=-1)
+    return np.asarray(img.convert("RGB"))
 
 
 def _pillow_open(stream: io.BytesIO) -> Image.Image:

@@ -39,15 +39,17 @@ class ImageFolder:
         classes = sorted(p.name for p in root.iterdir() if p.is_dir())
         if not classes:
             raise ValueError(f"{root}: no class folders")
-        self.files, labels, others = [], [], []
+        self.files, labels, others, empty = [], [], [], []
         for label, name in enumerate(classes):
             images, other = image_files(root / name)
             self.files += images
             labels += [label] * len(images)
             others += other
-        if not self.files:
-            raise ValueError(f"{root}: no images in {len(classes)} class folders (looked for "
-                             f"{', '.join(IMAGE_SUFFIXES)})")
+            empty += [] if images else [name]
+        if empty:  # a class no image trains: torchvision's ImageFolder refuses it too
+            shown = ", ".join(empty[:10]) + (f", … ({len(empty)} in all)" if len(empty) > 10 else "")
+            raise ValueError(f"{root}: no images in {len(empty)} of its {len(classes)} class folders: {shown} "
+                             f"(looked for {', '.join(IMAGE_SUFFIXES)})")
         if others:
             log.warning("%s: %d files in the class folders are not images by their suffix and are not used, e.g. %s",
                         root, len(others), others[0])
