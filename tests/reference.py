@@ -17,12 +17,13 @@ MARGINS = {  # every margin family the tests run, ArcFace both exact and straigh
 }
 
 
-def margin_target(cos, s, m1, m2, m3):
-    """s·(cos(m1·θ + m2) − m3); past m1·θ + m2 = π, linear in cos (continuous at the threshold)."""
+def margin_target(cos, s, m1, m2, m3, straight_through=False):
+    """s·(cos(m1·θ + m2) − m3); past m1·θ + m2 = π, linear in cos (continuous at the threshold), except in the
+    straight-through form (arcface_torch's, whose value is the formula's at every angle)."""
     theta = jnp.arccos(jnp.clip(cos, -1.0, 1.0))
     threshold = min((math.pi - m2) / m1, math.pi)
     linear = cos - (math.cos(threshold) + 1.0)
-    value = jnp.where(m1 * theta + m2 <= math.pi, jnp.cos(m1 * theta + m2), linear)
+    value = jnp.where((m1 * theta + m2 <= math.pi) | straight_through, jnp.cos(m1 * theta + m2), linear)
     return s * (value - m3)
 
 
@@ -33,7 +34,7 @@ def dense_margin_loss(embeddings, weight, labels, s, m1, m2, m3, straight_throug
     cos = e @ w.T
     rows = jnp.arange(cos.shape[0])
     target_cos = cos[rows, labels]
-    target = margin_target(target_cos, s, m1, m2, m3)
+    target = margin_target(target_cos, s, m1, m2, m3, straight_through)
     if straight_through:
         target = s * target_cos + jax.lax.stop_gradient(target - s * target_cos)
     logits = (s * cos).at[rows, labels].set(target)

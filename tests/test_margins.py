@@ -23,7 +23,7 @@ def test_target_logit_and_gradient_match_float64_formula(name, rng):
     cos = rng.uniform(-0.999, 0.999, size=512).astype(np.float32)
     value, grad = jax.vmap(jax.value_and_grad(margin.target_logit))(jnp.asarray(cos))
     with jax.enable_x64(True):
-        ref_fn = lambda c: margin_target(c, margin.s, margin.m1, margin.m2, margin.m3)
+        ref_fn = lambda c: margin_target(c, margin.s, margin.m1, margin.m2, margin.m3, margin.straight_through)
         ref_value, ref_grad = jax.vmap(jax.value_and_grad(ref_fn))(cos.astype(np.float64))
     assert rel_err(value, ref_value) < 1e-5
     if margin.straight_through:
@@ -68,8 +68,23 @@ def test_invalid_margin_parameters(kwargs):
 
 @pytest.mark.parametrize("name", sorted(jaxcls_margins.MARGINS))
 def test_every_margin_honours_straight_through(name, rng):
-    """Same target logit; the gradient is that of s·cos θ (for CosFace/AM-softmax it already was)."""
+    """The gradient is that of s·cos θ (for CosFace/AM-softmax it already was); the value is the exact form's up to
+    the threshold angle and, past it, the formula's own (arcface_torch's), where the exact form goes on linearly."""
     exact, st = (jaxcls_margins.MARGINS[name](s=16.0, straight_through=flag) for flag in (False, True))
-    cos = jnp.asarray(rng.uniform(-0.9, 0.9, size=64), jnp.float32)
-    np.testing.assert_allclose(st.target_logit(cos), exact.target_logit(cos), rtol=1e-6, atol=1e-6)
+    cos = jnp.asarray(rng.uniform(-1.0, 1.0, size=256), jnp.float32)
+    theta = np.arccos(np.asarray(cos, np.float64))
+    formula = 16.0 * (np.cos(st.m1 * theta + st.m2) - st.m3)
+    np.testing.assert_allclose(st.target_logit(cos), formula, rtol=1e-5, atol=1e-4)
+    before = np.asarray(cos) >= exact.threshold_cos
+    np.testing.assert_allclose(st.target_logit(cos)[before], exact.target_logit(cos)[before], rtol=1e-6, atol=1e-5)
     np.testing.assert_allclose(jax.vmap(jax.grad(st.target_logit))(cos), 16.0, rtol=1e-6)
+
+
+def test_straight_through_arcface_past_pi_is_arcface_torchs_value():
+    """At θ = 170°, m = 0.5: arcface_torch's s·cos(θ + m) = 64·cos(198.6°) = −60.64, above the exact form's
+    linear continuation (−70.86): the value turns back up, as arcface_torch's does."""
+    cos = jnp.float32(math.cos(math.radians(170.0)))
+    assert float(arcface(straight_through=True).target_logit(cos)) == pytest.approx(
+        64 * math.cos(math.radians(170.0) + 0.5), abs=1e-3)
+    assert float(arcface().target_logit(cos)) == pytest.approx(64 * (float(cos) - (math.cos(math.pi - 0.5) + 1)),
+                                                              abs=1e-3)

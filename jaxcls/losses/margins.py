@@ -6,16 +6,15 @@ target logit is ``s · (cos(m1·θ + m2) − m3)`` and every other logit ``s · 
 Beyond ``m1·θ + m2 = π`` the formula would turn back up (a larger angle giving a
 *larger* target logit), so past the threshold angle ``θ* = (π − m2) / m1`` the
 target logit continues linearly in ``x``: ``s · (x − m3 − (cos θ* + 1))``. That
-is continuous at ``θ*`` and keeps the margin monotone with gradient ``s``. (arcface_torch
-uses ``x − m·sin m`` there, which jumps at the threshold; only rare, badly
-misclassified samples are affected.)
+is continuous at ``θ*`` and keeps the margin monotone with gradient ``s``.
 
 Gradients are exact by default and finite everywhere: ``acos`` and ``sin θ``
 use a guarded derivative ``1 / sqrt(max(1 − x², ε))`` so that ``x = ±1`` gives
 a finite gradient. ``straight_through=True`` reproduces arcface_torch's margin
-computed under ``no_grad``: the value is the margin's, the gradient is that of
-``s · x`` (no chain factor through the margin); every margin accepts it (for CosFace and AM-softmax the
-two gradients coincide).
+computed under ``no_grad`` (its ``CombinedMarginLoss`` since December 2022): the value is
+``s · (cos(m1·θ + m2) − m3)`` at every angle, past π too, and the gradient that of ``s · x`` (no chain
+factor through the margin), so no threshold is needed; every margin accepts it (for CosFace and AM-softmax
+the two gradients coincide). Only samples more than ``θ*`` from their centre see the two forms' values differ.
 """
 
 from __future__ import annotations
@@ -91,7 +90,7 @@ class CombinedMargin:
             cos_m = x * math.cos(self.m2) - _safe_sin_of_acos(x) * math.sin(self.m2)
         else:
             cos_m = jnp.cos(self.m1 * _safe_acos(x) + self.m2)
-        if self.threshold_cos <= -1.0:  # m1·θ + m2 never passes π
+        if self.threshold_cos <= -1.0 or self.straight_through:  # never past π, or as arcface_torch: no threshold
             return cos_m - self.m3
         linear = x - (self.threshold_cos + 1.0)
         return jnp.where(x >= self.threshold_cos, cos_m, linear) - self.m3
