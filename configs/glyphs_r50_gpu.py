@@ -21,7 +21,7 @@ def get_config():
                     margin=("cosface", 0.35), batch=256, lr=0.1, warmup_epochs=1)
     c.eval_bins = (os.path.join(GLYPHS, "glyphs_pairs.bin"),)
     c.lr_power = 2.0  # as measured (docs/import.md), before face_config took train_v2.py's linear decay
-    c.eval_every = c.ckpt_every = c.total_steps // 2
+    c.eval_every = c.ckpt_every = c.get_ref("total_steps") // 2  # follows a batch set on the command line
     c.log_every = 20
     c.data.augment.update(crop=0.5, crop_scale=0.8, rotate=0.5, rotate_degrees=8.0)
     return c

@@ -114,12 +114,12 @@ def unknown_key_error(name: str) -> ValueError:
 def check_keys(config, reference=None, prefix="") -> None:
     """Every key of ``config`` must exist in ``base_config()`` (nested dicts checked recursively)."""
     reference = base_config() if reference is None else reference
-    for key, value in config.items():
+    for key in config.keys():  # values read only where nested: a face recipe's steps are computed when read
         name = prefix + key
         if key not in reference:
             raise unknown_key_error(name)
         if name not in FREE_FORM and isinstance(reference[key], ml_collections.ConfigDict):
-            check_keys(value, reference[key], name + ".")
+            check_keys(config[key], reference[key], name + ".")
 
 
 def check_config_flags(argv, flag: str = "config") -> None:
@@ -149,6 +149,7 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 MAX_CLASSES = 2**31 - 2**16  # labels and FC row indices are int32, with room for padding over 65,536 shards
 # (dotted key, predicate, the rule in words): every numeric key's range
 RANGES = [(key, rule, words) for keys, rule, words in [
+    (("batch_size",), lambda v: v >= 1, ">= 1"),  # first: a face recipe's step counts are read through it
     (("lr",), lambda v: v > 0, "> 0"),
     (("momentum",), lambda v: 0 <= v < 1, "in [0, 1)"),
     (("weight_decay", "clip_grad_norm", "warmup_steps", "chunk_size", "data.workers", "margin.m"),
@@ -158,7 +159,7 @@ RANGES = [(key, rule, words) for keys, rule, words in [
     (("loss_scale.initial",), lambda v: 0 < v <= FLOAT32_MAX, f"in (0, {FLOAT32_MAX:.4g}] (a float32)"),
     (("seed",), lambda v: 0 <= v < 2**31 - 1, "in [0, 2**31 - 1) (an int32, as is seed + 1)"),
     (("num_classes",), lambda v: 1 <= v <= MAX_CLASSES, f"in [1, {MAX_CLASSES:,}] (int32 labels)"),
-    (("num_features", "batch_size", "accum_steps", "total_steps", "mesh_data", "eval_every",
+    (("num_features", "accum_steps", "total_steps", "mesh_data", "eval_every",
       "eval_batch_size", "log_every", "ckpt_every", "keep_checkpoints", "max_bad_steps", "data.input_size",
       "data.threads", "loss_scale.growth_interval"), lambda v: v >= 1, ">= 1"),
     (("collapse_warning", "mem_fraction"), lambda v: 0 <= v <= 1, "in [0, 1]"),

@@ -98,7 +98,8 @@ class Run:
         shards = class_shards(self.mesh, head.class_axes)
         sampling = "no PartialFC"
         if c.sample_rate < 1:  # the sample is never smaller than the global batch: a rate can be more in effect
-            rows, budget = head.rows // shards, sample_budget(head.rows // shards, c.batch_size, c.sample_rate)
+            rows = head.rows // shards
+            budget = sample_budget(rows, c.batch_size, c.sample_rate)
             floor = budget > sample_budget(rows, 0, c.sample_rate)
             sampling = (f"PartialFC {c.sample_rate:g}: {budget:,} of {rows:,} rows a shard"
                         + (f" ({budget / rows:.2g} in effect: never fewer than the global batch's {c.batch_size})"

@@ -70,6 +70,12 @@ def test_a_face_recipes_batch_set_on_the_command_line_keeps_its_epochs(monkeypat
     c = load(path)
     c.batch_size, c.warmup_steps = 2048, 7
     assert (c.total_steps, c.warmup_steps) == (5_179_510 // 2048 * 20, 7)
+    c.batch_size = 0  # refused as itself, before the step counts read through it divide by it
+    with pytest.raises(ValueError, match=r"^batch_size must be >= 1, got 0$"):
+        validate(c, 8)
+    glyphs = load(path.parent / "glyphs_r50_gpu.py")
+    glyphs.batch_size = 512  # its evaluations and checkpoints, at half and all of its steps, follow them
+    assert glyphs.eval_every == glyphs.ckpt_every == glyphs.total_steps // 2 == 18_000 // 512 * 24 // 2
     wf42m = load(path.parent / "wf42m_pfc02_32gpus_r50_bs4k.py")
     wf42m.batch_size = 1024  # its 2 warmup epochs follow the batch too
     assert (wf42m.warmup_steps, wf42m.total_steps) == (42_474_557 // 1024 * 2, 42_474_557 // 1024 * 20)

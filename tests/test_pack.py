@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from jaxcls.data.pack import check_labels, folder_images, main, pack_images
+from jaxcls.data.pack import check_labels, folder_images, keep_classes, main, pack_images
 from jaxcls.errors import DataError
 from jaxcls.data.recordio import MXFaceDataset
 
@@ -146,9 +146,12 @@ def test_a_bad_class_range_is_named(tmp_path, classes, message):
 
 def test_a_class_range_without_images_is_named(tmp_path):
     root, _ = folder(tmp_path)
-    (root / "aa").mkdir()  # an empty class folder: identity 1
-    with pytest.raises(SystemExit, match=r"^error: --classes 1:2: the input has no images of identities 1..1$"):
+    (root / "aa").mkdir()  # an empty class folder: refused as the trainer's folder reader refuses it
+    with pytest.raises(SystemExit, match=rf"^error: {root}: no images in 1 of its 4 class folders: aa "):
         main(["--images", str(root), "--classes", "1:2", "--out", str(tmp_path / "out")])
+    # an input whose labels skip one (a list file's, a RecordIO file's)
+    with pytest.raises(ValueError, match=r"^--classes 1:2: the input has no images of identities 1..1$"):
+        keep_classes(["x.jpg", "y.jpg"], [0, 2], "1:2")
 
 
 def test_the_command_line(tmp_path):

@@ -371,3 +371,16 @@ def test_a_16_bit_greyscale_png_keeps_the_high_byte_of_its_levels(rng):
     Image.fromarray(levels).save(buf, "PNG")
     assert Image.open(io.BytesIO(buf.getvalue())).mode == "I;16"
     np.testing.assert_array_equal(decode_image(buf.getvalue(), "x.png"), np.repeat((levels >> 8)[..., None], 3, -1))
+
+
+def test_labels_of_a_header_file_whose_idx_lacks_a_key_name_the_key(tmp_path):
+    """The header announces images 1..4: with key 3 missing from the .idx the count stops at it, naming it (never
+    key 4's label for it), as with an offset no file can reach (past 2**63 once the header's bytes are added)."""
+    root = write_records(tmp_path, {0: pack([5.0, 7.0], b""), **{k: pack(float(k % 2), jpeg(k)) for k in range(1, 6)}})
+    lines = (root / "train.idx").read_text().splitlines()
+    (root / "train.idx").write_text("\n".join(lines[:3] + lines[4:]) + "\n")
+    with pytest.raises(DataError, match=r"train.rec \(key 3\): key missing from .*train.idx"):
+        MXFaceDataset(root).labels()
+    (root / "train.idx").write_text("\n".join(lines[:3] + [f"3\t{2**63 - 20}"] + lines[4:]) + "\n")
+    with pytest.raises(DataError, match=rf"key 3, .idx line 4, byte offset {2**63 - 20}\): truncated record"):
+        MXFaceDataset(root).labels()

@@ -241,15 +241,16 @@ class MXFaceDataset:
         image); a record whose header is not that of a whole, clean record is read in full by ``raw``, whose error
         names it."""
         if self._labels is None:
-            positions = np.searchsorted(self.index.keys, self.keys)
-            self._labels = np.concatenate([self._header_labels(positions[start:start + _LABELS_AT_ONCE])
-                                           for start in range(0, len(positions), _LABELS_AT_ONCE)])
+            self._labels = np.concatenate([self._header_labels(self.keys[start:start + _LABELS_AT_ONCE])
+                                           for start in range(0, len(self.keys), _LABELS_AT_ONCE)])
         return self._labels
 
-    def _header_labels(self, positions: np.ndarray) -> np.ndarray:
-        """The labels of the records at ``positions`` of the index (int64 ``[n]``)."""
+    def _header_labels(self, keys: np.ndarray) -> np.ndarray:
+        """The labels of the records of ``keys`` (int64 ``[n]``)."""
+        positions = np.minimum(np.searchsorted(self.index.keys, keys), len(self.index) - 1)
+        indexed = self.index.keys[positions] == keys  # a key missing from the .idx: read whole, its error names it
         offsets, size = self.index.offsets[positions], self.rec.size
-        in_file = offsets + _HEAD_BYTES <= size
+        in_file = indexed & (offsets <= size - _HEAD_BYTES)  # (an offset near 2**63 plus 36 would wrap)
         if size >= _HEAD_BYTES:
             head = np.memmap(self.rec.path, np.uint8, mode="r")[np.where(in_file, offsets, 0)[:, None]
                                                                    + np.arange(_HEAD_BYTES)]
@@ -263,11 +264,10 @@ class MXFaceDataset:
                          & (value < 2**31) & (value == np.floor(value)))
             labels = np.where(clean, value, -1).astype(np.int64)
         else:
-            labels, clean = np.full(len(positions), -1, np.int64), np.zeros(len(positions), bool)
+            labels, clean = np.full(len(keys), -1, np.int64), np.zeros(len(keys), bool)
         for i in np.flatnonzero(~clean):  # read whole: its label, or the error that names what is wrong
-            key = int(self.index.keys[positions[i]])
             try:
-                labels[i] = self._image_and_label(key)[1]
+                labels[i] = self._image_and_label(int(keys[i]))[1]
             except DataError:
                 if not self.skip_bad_records:
                     raise
