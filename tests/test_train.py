@@ -21,7 +21,7 @@ from jaxcls.checkpoint import CheckpointError, RunCheckpoints
 from jaxcls.run import build
 from jaxcls.train import Diverged, check_init_from, initialized_from, train
 from test_recordio import GLYPHS, needs_glyphs
-from tiny import get_config as tiny_config
+from tiny import get_config as tiny_config, saved_run
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -191,6 +191,25 @@ def test_cli_is_quiet_and_evaluates(tmp_path):
     assert lines.count("step 4") == 2 and "over 2 runs: mean ± sample std" in lines, "\n".join(lines)
     summary = lines[lines.index("over 2 runs: mean ± sample std") + 2]
     assert summary.split()[:4] == ["heldout", f"{result['val/heldout/accuracy']:.4f}", "±", "0.0000"], summary
+
+
+def test_eval_runs_on_a_device_count_the_training_batch_does_not_divide(tmp_path):
+    """A run of batch 32 (trained on 8 devices here) evaluated on 3: the training batch and mesh play no part in an
+    evaluation; the accuracy is the one on 8 devices."""
+    saved_run(tmp_path, tiny_config(), step=1)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(dict(saved, mesh_data=2)))  # as trained on a (2, 4) mesh
+    results = []
+    for devices in (8, 3):
+        flags = re.sub(r"--xla_force_host_platform_device_count=\d+", f"--xla_force_host_platform_device_count={devices}",
+                       os.environ["XLA_FLAGS"])
+        proc = subprocess.run([sys.executable, "-m", "jaxcls.eval", "--workdir", str(tmp_path)], cwd=ROOT,
+                              env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags), capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        written, = tmp_path.glob("eval_*.json")  # named by the state's step (a fresh state's: 0)
+        results.append(json.loads(written.read_text()))
+    assert results[0]["val/heldout/accuracy"] == pytest.approx(results[1]["val/heldout/accuracy"], abs=0.01)
 
 
 def test_a_step_too_big_for_the_device_stops_before_any_state_with_the_plan(tmp_path):

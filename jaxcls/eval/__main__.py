@@ -48,10 +48,13 @@ def evaluate(workdir: Path) -> dict:
     config = run_config(workdir)
     if FLAGS.bin:
         config.eval_bins = tuple(str(Path(b).absolute()) for b in FLAGS.bin)  # from here, not the run's data root
+    # the training batch and mesh play no part here: evaluated on whatever devices this machine has, all data parallel
+    config.mesh_data, config.batch_size = 1, jax.device_count() * config.accum_steps
     run = build(config, with_data=False)
     evaluator = Evaluator(run)  # its sets read (or refused) before the checkpoint is
     checkpoints = RunCheckpoints(workdir / "checkpoints", config.keep_checkpoints)
-    state, _ = checkpoints.restore(run.abstract_state, FLAGS.step)
+    # the backbone alone: the FC and both optimizers' states (at 29M classes ~118 GB in float32) stay on disk
+    state, _ = checkpoints.restore(run.abstract_state, FLAGS.step, parts=("step", "params", "stats"))
     step = int(state["step"])
     embeddings = evaluator.embeddings(state)
     results = evaluator.metrics(embeddings)
