@@ -125,6 +125,16 @@ def check_num_classes(saved: int, expected: int) -> None:
         raise ValueError(f"checkpoint holds an FC of {int(np.asarray(saved))} classes, the config asks for {expected}")
 
 
+def remove_unfinished_saves(directory: str | os.PathLike) -> list[str]:
+    """Remove the folders of saves that never completed in ``directory`` (a process killed mid-save leaves its
+    ``<step>.orbax-checkpoint-tmp-*`` folder, as large as a whole state); their names. Only for the one writer of
+    the folder (the trainer holding the workdir's lock), before it saves."""
+    removed = sorted(Path(directory).glob("*.orbax-checkpoint-tmp*"))
+    for partial in removed:
+        shutil.rmtree(partial, ignore_errors=True)
+    return [p.name for p in removed]
+
+
 class RunCheckpoints:
     """``directory/<step>/{state,data}``: the train state (any mesh on restore) and the data position (JSON)."""
 

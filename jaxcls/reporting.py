@@ -172,9 +172,12 @@ class MetricsWriter:
         path = workdir / "metrics.jsonl"
         if path.exists():
             rows = [line for line, row in read_rows(path) if row["step"] <= resumed_step]
-            path.write_text("".join(row + "\n" for row in rows))
+            kept = path.with_name(path.name + ".tmp")  # whole or not at all, whatever stops this process
+            kept.write_text("".join(row + "\n" for row in rows))
+            os.replace(kept, path)
         self.file = open(path, "a")
-        self.tb = tensorboard_writer(workdir / "tensorboard")
+        # TensorBoard drops the earlier files' events from the resumed step on, as the rows above are dropped
+        self.tb = tensorboard_writer(workdir / "tensorboard", purge_step=resumed_step + 1 if resumed_step else None)
 
     def write(self, step: int, metrics: dict) -> None:
         if not self.active:
@@ -208,7 +211,7 @@ def read_rows(path: Path) -> list[tuple[str, dict]]:
     return rows
 
 
-def tensorboard_writer(logdir: Path):
+def tensorboard_writer(logdir: Path, purge_step: int | None = None):
     """tensorboardX's ``SummaryWriter`` on ``logdir``, or None where tensorboardX is not installed.
 
     tensorboardX imports torch when it is installed, to accept torch tensors (~2.5 s of a run's start; jaxcls writes
@@ -224,4 +227,4 @@ def tensorboard_writer(logdir: Path):
     finally:
         if hide_torch:
             del sys.modules["torch"]
-    return SummaryWriter(str(logdir))
+    return SummaryWriter(str(logdir), purge_step=purge_step)

@@ -21,7 +21,7 @@ import jax
 from absl import flags
 
 from jaxcls import distributed
-from jaxcls.checkpoint import CheckpointError, RunCheckpoints, run_config
+from jaxcls.checkpoint import CheckpointError, RunCheckpoints, remove_unfinished_saves, run_config
 from jaxcls.config import check_batchnorm_rows, define_config_flag, from_json, resume_differences
 from jaxcls.data.pipeline import device_batch
 from jaxcls.eval.evaluator import Evaluator
@@ -54,6 +54,9 @@ def train(config, workdir: str | os.PathLike, devices=None, progress: bool = Tru
         taken_over = lock.acquire()
         if taken_over:
             log.warning("%s", taken_over)
+        if removed := remove_unfinished_saves(workdir / "checkpoints"):
+            log.warning("removed %d unfinished checkpoint save(s) of an earlier process: %s", len(removed),
+                        ", ".join(removed))
     try:
         with StopRequests() as stop:
             checkpoints = RunCheckpoints(workdir / "checkpoints", config.keep_checkpoints)

@@ -101,7 +101,10 @@ class WorkdirLock:
                 holder = self.holder_if_alive()
                 if holder is not None:
                     raise WorkdirLocked(f"{self.path.parent} is in use by {describe(holder)} "
-                                        f"({holder.get('command', '')}); stop it first, or use another workdir")
+                                        f"({holder.get('command', '')}); stop it first, or use another workdir"
+                                        + ("" if holder.get("host") == self.holder["host"] else
+                                           f" (a holder on another host that stopped refreshing it is taken over "
+                                           f"{STALE_AFTER // 60} minutes after its last refresh)"))
                 stale = self.path.read_text(errors="replace") if self.path.exists() else None
                 self.path.unlink(missing_ok=True)
                 continue

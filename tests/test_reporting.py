@@ -26,7 +26,9 @@ def test_metrics_rows_past_the_restored_step_are_dropped(tmp_path):
     writer.close()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
-    assert any((tmp_path / "tensorboard").iterdir())
+    assert not (tmp_path / "metrics.jsonl.tmp").exists()
+    # TensorBoard is told to drop an earlier file's steps from 4 on, as the rows above are dropped
+    assert purges(tmp_path / "tensorboard") == [4] and ("loss", 4, 40.0) in scalars(tmp_path / "tensorboard")
 
 
 def test_a_torn_last_row_is_dropped_and_a_bad_row_before_it_is_named(tmp_path, caplog):
@@ -42,20 +44,30 @@ def test_a_torn_last_row_is_dropped_and_a_bad_row_before_it_is_named(tmp_path, c
         MetricsWriter(tmp_path, resumed_step=3)
 
 
-def scalars(logdir):
-    """``(tag, step, value)`` of every scalar in the TensorBoard event files of ``logdir`` (records: a little-endian
-    uint64 length, its CRC, the serialized ``Event``, its CRC)."""
+def events(logdir):
+    """Every ``Event`` in the TensorBoard event files of ``logdir``, file by file in name (time) order (records: a
+    little-endian uint64 length, its CRC, the serialized ``Event``, its CRC)."""
     from tensorboardX.proto.event_pb2 import Event
 
-    found = []
     for path in sorted(logdir.iterdir()):
         data, at = path.read_bytes(), 0
         while at < len(data):
             (length,) = struct.unpack_from("<Q", data, at)
-            event = Event.FromString(data[at + 12:at + 12 + length])
-            found += [(v.tag, event.step, v.simple_value) for v in event.summary.value]
+            yield Event.FromString(data[at + 12:at + 12 + length])
             at += 12 + length + 4
-    return found
+
+
+def scalars(logdir):
+    """``(tag, step, value)`` of every scalar in ``logdir``'s event files."""
+    return [(v.tag, event.step, v.simple_value) for event in events(logdir) for v in event.summary.value]
+
+
+def purges(logdir):
+    """The steps from which a writer told TensorBoard to drop earlier files' events (a session START at a step)."""
+    from tensorboardX.proto.event_pb2 import SessionLog
+
+    return [event.step for event in events(logdir)
+            if event.HasField("session_log") and event.session_log.status == SessionLog.START]
 
 
 def test_tensorboard_scalars_are_written_without_importing_torch(tmp_path):

@@ -76,10 +76,15 @@ def test_resume_is_exact_and_works_on_another_mesh(tmp_path, caplog):
     np.testing.assert_allclose(losses(tmp_path / "moved"), losses(tmp_path / "straight")[3:], rtol=1e-4)
 
 
-def test_resume_is_strict_and_init_from_takes_another_runs_backbone(tmp_path, monkeypatch):
+def test_resume_is_strict_and_init_from_takes_another_runs_backbone(tmp_path, monkeypatch, caplog):
     monkeypatch.chdir(tmp_path)
     c = tiny_config(sample_rate=0.5, total_steps=2, ckpt_every=1)  # the programs of the resume test: compiled once
-    train(c, "runs/relative", progress=False)
+    unfinished = tmp_path / "runs/relative/checkpoints/7.orbax-checkpoint-tmp-99"  # a save killed mid-way
+    unfinished.mkdir(parents=True)
+    (unfinished / "state").write_bytes(b"half a checkpoint")
+    with jaxcls_records(caplog):
+        train(c, "runs/relative", progress=False)
+    assert "removed 1 unfinished checkpoint save(s) of an earlier process: 7.orbax-checkpoint-tmp-99" in caplog.text
     assert sorted(p.name for p in (tmp_path / "runs/relative/checkpoints").iterdir()) == ["1", "2"]
     saved_config = (tmp_path / "runs/relative/config.json").read_text()
     for change, shown in [(dict(num_classes=70), "num_classes: 64 → 70"), (dict(model="r34"), "model: 'r18' → 'r34'"),
@@ -201,8 +206,7 @@ def test_eval_runs_on_a_device_count_the_training_batch_does_not_divide(tmp_path
     (tmp_path / "config.json").write_text(json.dumps(dict(saved, mesh_data=2)))  # as trained on a (2, 4) mesh
     results = []
     for devices in (8, 3):
-        flags = re.sub(r"--xla_force_host_platform_device_count=\d+", f"--xla_force_host_platform_device_count={devices}",
-                       os.environ["XLA_FLAGS"])
+        flags = re.sub(r"(--xla_force_host_platform_device_count=)\d+", rf"\g<1>{devices}", os.environ["XLA_FLAGS"])
         proc = subprocess.run([sys.executable, "-m", "jaxcls.eval", "--workdir", str(tmp_path)], cwd=ROOT,
                               env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags), capture_output=True,
                               text=True, timeout=600)
