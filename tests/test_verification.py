@@ -99,6 +99,29 @@ def test_load_bin_python3_and_python2_pickles(tmp_path):
     assert list(same2) == issame
 
 
+@pytest.mark.parametrize("protocol", [2, 3, 4, 5])
+def test_load_bin_takes_insightfaces_build_eval_pack_arrays(tmp_path, protocol):
+    """insightface's build_eval_pack.py stores each image as cv2.imencode's uint8 array ([n, 1]); anything else a
+    numpy array could be is refused, naming the file."""
+    bins, issame = [png(i) for i in range(4)], [True, False]
+    arrays = [np.frombuffer(b, np.uint8).reshape(-1, 1) for b in bins]
+    path = tmp_path / "pack.bin"
+    path.write_bytes(pickle.dumps((arrays[:2] + [arrays[2].ravel(), arrays[3]], issame), protocol=protocol))
+    images, same = load_bin(path, size=8)
+    np.testing.assert_array_equal(images, load_bin_of(tmp_path, bins, issame))
+    assert list(same) == issame
+    for bad, message in [(np.zeros((2, 2, 2), np.uint8), "not an encoded image's"),
+                         (np.frombuffer(bins[0], np.uint8).astype(np.float32), "dtype '<f4'|dtype 'f4'")]:
+        path.write_bytes(pickle.dumps(([bad] + arrays[1:], issame), protocol=protocol))
+        with pytest.raises(DataError, match=rf"^{path}: not a valid verification .bin: ValueError: .*({message})"):
+            load_bin(path, size=8)
+
+
+def load_bin_of(tmp_path, bins, issame):
+    (tmp_path / "bytes.bin").write_bytes(pickle.dumps((bins, issame)))
+    return load_bin(tmp_path / "bytes.bin", size=8)[0]
+
+
 def test_a_broken_bin_is_an_error_naming_the_file(tmp_path):
     good = pickle.dumps(([png(i) for i in range(4)], [True, False]))
     bad = bytearray(png(2))

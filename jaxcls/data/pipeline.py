@@ -73,7 +73,8 @@ def _resize_into(images: np.ndarray, pending: dict[int, np.ndarray]) -> None:
 
 
 def normalize(images: jax.Array) -> jax.Array:
-    """uint8 → float32 in [-1, 1]: ``(x/255 − 0.5)/0.5``, as arcface_torch."""
+    """uint8 → float32 in [-1, 1]: ``x·(2/255) − 1``, arcface_torch's ``(x/255 − 0.5)/0.5`` in one multiply-add (the
+    two differ by at most one float32 step, 1.2e-7)."""
     return images.astype(jnp.float32) * (2.0 / 255.0) - 1.0
 
 

@@ -44,10 +44,77 @@ def _bytearray(*args) -> bytearray:
     return bytearray(_latin1(*args) if args and isinstance(args[0], str) else _bytes(*args))
 
 
-# the only functions an honest .bin's pickle calls: byte strings at protocols 0–2, bytearrays at 0–4
+class _Uint8:
+    """``numpy.dtype`` as a .bin's pickle calls it (``dtype('u1', False, True)``, then its state set): uint8 alone,
+    and never a real dtype, whose state the pickle would set for the whole process."""
+
+    __slots__ = ()
+
+    def __init__(self, code, align=False, copy=True):
+        if code != "u1":
+            raise ValueError(f"a numpy array of dtype {code!r}: a .bin's encoded images are uint8")
+
+    def __setstate__(self, state):
+        if not (isinstance(state, tuple) and len(state) > 1 and state[1] in ("|", "=")):
+            raise ValueError(f"numpy.dtype state {state!r} is not uint8's")
+
+
+class _EncodedImage:
+    """A 1-D or 2-D uint8 numpy array of encoded image bytes (insightface's ``build_eval_pack.py`` stores
+    ``cv2.imencode``'s arrays), checked as it is rebuilt and kept as its bytes."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data=b"", dtype=None, shape=(0,)):
+        if not isinstance(dtype, _Uint8) or not isinstance(data, (bytes, bytearray)):
+            raise ValueError("a numpy array that is not uint8 bytes")
+        if not (isinstance(shape, tuple) and 1 <= len(shape) <= 2 and all(isinstance(n, int) and n >= 0
+                                                                            for n in shape)
+                and math.prod(shape) == len(data)):
+            raise ValueError(f"a numpy array of shape {shape!r} over {len(data)} bytes: not an encoded image's")
+        self.data = bytes(data)
+
+    def __setstate__(self, state):  # protocols 2–4: (version, shape, dtype, is_fortran, raw bytes) after _reconstruct
+        if not (isinstance(state, tuple) and len(state) == 5 and state[0] == 1):
+            raise ValueError("a numpy array state that is not (1, shape, dtype, fortran, bytes)")
+        _, shape, dtype, _, data = state
+        self.data = _EncodedImage(_latin1(data) if isinstance(data, str) else data, dtype, shape).data
+
+
+class _NdarrayName:
+    """What ``numpy.ndarray`` names in such a pickle: only ``_reconstruct``'s first argument."""
+
+    __slots__ = ()
+
+    def __setstate__(self, state):
+        raise ValueError("the pickle sets attributes of numpy.ndarray")
+
+
+_NDARRAY = _NdarrayName()
+
+
+def _reconstruct(cls, shape, typecode):
+    """``numpy.core.multiarray._reconstruct(ndarray, (0,), b'b')``: an empty array whose state comes next."""
+    if cls is not _NDARRAY or shape != (0,):
+        raise ValueError("numpy's _reconstruct called as no array pickle calls it")
+    return _EncodedImage.__new__(_EncodedImage)
+
+
+def _frombuffer(data, dtype, shape, order="C"):
+    """``numpy.core.numeric._frombuffer`` (protocol 5: an array as its buffer, dtype, shape and order)."""
+    if order not in ("C", "F"):
+        raise ValueError(f"numpy array order {order!r}")
+    return _EncodedImage(data, dtype, shape)
+
+
+# the only functions an honest .bin's pickle calls: byte strings at protocols 0–2, bytearrays at 0–4, and numpy's
+# uint8 arrays (cv2.imencode's, as insightface's build_eval_pack.py stores them) at 2–5, under numpy 1's and 2's names
 BIN_GLOBALS = {("_codecs", "encode"): _latin1,
                **{(module, "bytes"): _bytes for module in ("builtins", "__builtin__")},
-               **{(module, "bytearray"): _bytearray for module in ("builtins", "__builtin__")}}
+               **{(module, "bytearray"): _bytearray for module in ("builtins", "__builtin__")},
+               ("numpy", "dtype"): _Uint8, ("numpy", "ndarray"): _NDARRAY,
+               **{(f"numpy.{core}.multiarray", "_reconstruct"): _reconstruct for core in ("core", "_core")},
+               **{(f"numpy.{core}.numeric", "_frombuffer"): _frombuffer for core in ("core", "_core")}}
 
 
 def load_bin(path: str | os.PathLike, size: int = 112) -> tuple[np.ndarray, np.ndarray]:
@@ -71,6 +138,7 @@ def load_bin(path: str | os.PathLike, size: int = 112) -> tuple[np.ndarray, np.n
         raise DataError(f"{path}: the pair list holds {not_bool[0]} values, not only booleans")
     if len(bins) != 2 * len(issame):
         raise DataError(f"{path}: {len(bins)} images for {len(issame)} pairs (expected twice as many)")
+    bins = [getattr(b, "data", None) if isinstance(b, _EncodedImage) else b for b in bins]  # (no state: None)
     for i, b in enumerate(bins):
         if not isinstance(b, (bytes, bytearray)):
             raise DataError(f"{path} (image {i}): {type(b).__name__} instead of encoded image bytes")
