@@ -114,7 +114,7 @@ def _train(run, workdir: Path, checkpoints: RunCheckpoints, stop: StopRequests, 
         bar.close()
         writer.close()
         checkpoints.close()
-    if stopped:
+    if stopped and step < end:  # at the last step the run (or its stop_after) is complete: nothing to resume
         raise Preempted(f"stopped by {stop.received} after step {step}; checkpoint saved in "
                         f"{checkpoints.directory / str(step)}: run the same command to resume")
     return state, last

@@ -18,6 +18,7 @@ import pytest
 
 from conftest import COMPILATION_CACHE, jaxcls_records
 from jaxcls.checkpoint import CheckpointError, RunCheckpoints
+from jaxcls.interrupts import Preempted, StopRequests
 from jaxcls.run import build
 from jaxcls.train import Diverged, check_init_from, initialized_from, train
 from test_recordio import GLYPHS, needs_glyphs
@@ -196,6 +197,26 @@ def test_cli_is_quiet_and_evaluates(tmp_path):
     assert lines.count("step 4") == 2 and "over 2 runs: mean ± sample std" in lines, "\n".join(lines)
     summary = lines[lines.index("over 2 runs: mean ± sample std") + 2]
     assert summary.split()[:4] == ["heldout", f"{result['val/heldout/accuracy']:.4f}", "±", "0.0000"], summary
+
+
+def test_a_stop_request_ends_the_run_to_be_resumed_unless_it_comes_at_the_last_step(tmp_path, monkeypatch):
+    """A SIGTERM (here: the stop requested after step ``at``) saves and raises ``Preempted`` (exit status 75, resume
+    me), except after the last step: the run is complete, a requeue would find nothing to train."""
+    c = tiny_config(sample_rate=0.5, total_steps=2, ckpt_every=1)  # the resume tests' program: compiled once
+    for at, preempted in ((1, True), (2, False)):
+        def now(self, step, at=at):
+            self.received = self.received or ("SIGTERM" if step >= at else None)
+            return self.received is not None
+
+        monkeypatch.setattr(StopRequests, "now", now)
+        workdir = tmp_path / f"at{at}"
+        if preempted:
+            with pytest.raises(Preempted, match=rf"stopped by SIGTERM after step 1; checkpoint saved in {workdir}"):
+                train(c, workdir, progress=False)
+        else:
+            state, _ = train(c, workdir, progress=False)
+            assert int(state["step"]) == 2
+        assert RunCheckpoints(workdir / "checkpoints", 3).latest_step() == at
 
 
 def test_eval_runs_on_a_device_count_the_training_batch_does_not_divide(tmp_path):
