@@ -125,11 +125,11 @@ def check_num_classes(saved: int, expected: int) -> None:
         raise ValueError(f"checkpoint holds an FC of {int(np.asarray(saved))} classes, the config asks for {expected}")
 
 
-def remove_unfinished_saves(directory: str | os.PathLike) -> list[str]:
-    """Remove the folders of saves that never completed in ``directory`` (a process killed mid-save leaves its
-    ``<step>.orbax-checkpoint-tmp-*`` folder, as large as a whole state); their names. Only for the one writer of
-    the folder (the trainer holding the workdir's lock), before it saves."""
-    removed = sorted(Path(directory).glob("*.orbax-checkpoint-tmp*"))
+def remove_unfinished_saves(directory: str | os.PathLike, step: int | str = "*") -> list[str]:
+    """Remove the folders of saves (of ``step``, default every step) that never completed in ``directory`` (a failed
+    save, or a process killed mid-save, leaves its ``<step>.orbax-checkpoint-tmp-*`` folder, as large as a whole
+    state); their names. Only for the one writer of the folder (the trainer holding the workdir's lock)."""
+    removed = sorted(Path(directory).glob(f"{step}.orbax-checkpoint-tmp*"))
     for partial in removed:
         shutil.rmtree(partial, ignore_errors=True)
     return [p.name for p in removed]
@@ -166,8 +166,7 @@ class RunCheckpoints:
         """Remove what the failed save of ``step`` left and raise it as a ``CheckpointError``."""
         self.saving = None
         if jax.process_index() == 0:
-            for partial in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
-                shutil.rmtree(partial, ignore_errors=True)
+            remove_unfinished_saves(self.directory, step)
         self.manager.reload()
         raise CheckpointError(f"saving checkpoint {self.directory / str(step)} failed: {one_line(error)}") from error
 
