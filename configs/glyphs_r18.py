@@ -26,7 +26,7 @@ def get_config():
     c.model = "r18"
     c.model_kwargs = dict(width=16)
     c.num_features = 128
-    c.margin = dict(name="cosface", s=32.0, m=0.35, straight_through=False)
+    c.margin.update(name="cosface", s=32.0, m=0.35, straight_through=False)
     c.batch_size = 64
     c.total_steps = 7000  # 25 epochs
     c.warmup_steps = 200

@@ -13,7 +13,7 @@ def get_config():
     c.num_features = 512
     c.precision = "bfloat16"
     c.sample_rate = 0.1
-    c.margin = dict(name="arcface", s=64.0, m=0.5, straight_through=False)
+    c.margin.update(name="arcface", s=64.0, m=0.5, straight_through=False)
     c.batch_size = 128
     c.total_steps = 200
     c.warmup_steps = 10

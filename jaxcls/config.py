@@ -24,7 +24,7 @@ from jaxcls.data.sources import SOURCES
 from jaxcls.fc import DEFAULT_CHUNK
 from jaxcls.fc.optimizers import check_weight_rounding
 from jaxcls.fc.sampling import check_sample_rate
-from jaxcls.losses.margins import MARGINS
+from jaxcls.losses.margins import MARGINS, CombinedMargin
 from jaxcls.mesh import CLASS_AXES
 from jaxcls.models import MODELS
 from jaxcls.models.layers import REMAT_POLICIES
@@ -55,7 +55,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.remat = "none"  # none | full | save_dots | save_block_outputs
     c.bn_sync = False  # BatchNorm statistics in training: per device (arcface_torch) or, True, over the global batch
     # FC head and loss.
-    c.margin = ml_collections.ConfigDict(dict(name="cosface", s=64.0, m=0.4, straight_through=False))
+    # m: one number, or (m1, m2, m3) for "combined"; typed object so that either parses from the command line
+    c.margin = ml_collections.ConfigDict(dict(name="cosface", s=64.0, m=ml_collections.FieldReference(0.4, object),
+                                              straight_through=False))
     c.sample_rate = 1.0  # PartialFC
     c.class_axes = "data,class"  # "data,class" (every device) or "class"
     c.mesh_data = 1  # size of the data axis; the class axis takes the remaining devices
@@ -152,8 +154,9 @@ RANGES = [(key, rule, words) for keys, rule, words in [
     (("batch_size",), lambda v: v >= 1, ">= 1"),  # first: a face recipe's step counts are read through it
     (("lr",), lambda v: v > 0, "> 0"),
     (("momentum",), lambda v: 0 <= v < 1, "in [0, 1)"),
-    (("weight_decay", "clip_grad_norm", "warmup_steps", "chunk_size", "data.workers", "margin.m"),
-     lambda v: v >= 0, ">= 0"),
+    (("weight_decay", "clip_grad_norm", "warmup_steps", "chunk_size", "data.workers"), lambda v: v >= 0, ">= 0"),
+    (("margin.m",), lambda v: all(type(m) in (int, float) and m >= 0 for m in (v if isinstance(v, tuple) else (v,))),
+     ">= 0"),  # one number, or (m1, m2, m3) for 'combined'; typed object, so a string could come from the command line
     (("lr_power",), lambda v: v >= 0, ">= 0"),
     (("margin.s",), lambda v: v > 0, "> 0"),
     (("loss_scale.initial",), lambda v: 0 < v <= FLOAT32_MAX, f"in (0, {FLOAT32_MAX:.4g}] (a float32)"),
@@ -248,10 +251,21 @@ def validate(config, num_devices: int) -> None:
         raise ValueError(f"mesh_data {config.mesh_data} does not divide the {num_devices} devices")
     if config.warmup_steps >= config.total_steps:
         raise ValueError(f"warmup_steps {config.warmup_steps} must be below total_steps {config.total_steps}")
+    make_margin(config.margin)  # refuses a combined margin's m that is not (m1, m2, m3), an m1 of 0, an m2 of π
     make_optimizers(config.optimizer, momentum=config.momentum, weight_decay=config.weight_decay,
                     clip=config.clip_grad_norm, fc_state_dtype=fc_state_dtype(config),
                     fc_weight_rounding=config.fc_weight_rounding)  # refuses what cannot work
     check_weight_rounding(config.fc_weight_rounding, DTYPES[config.fc_dtype])
+
+
+def make_margin(margin_config) -> CombinedMargin:
+    """``config.margin`` (name, s, m, straight_through) → a ``CombinedMargin``; for ``name="combined"`` ``m`` is
+    ``(m1, m2, m3)``, arcface_torch's ``margin_list``."""
+    if margin_config.name != "combined" and isinstance(margin_config.m, tuple):
+        raise ValueError(f"margin {margin_config.name!r} takes one number m, got {margin_config.m!r}; "
+                         "(m1, m2, m3) is margin 'combined'")
+    return MARGINS[margin_config.name](s=margin_config.s, m=margin_config.m,
+                                       straight_through=margin_config.straight_through)
 
 
 def check_batchnorm_rows(config, num_devices: int) -> None:
@@ -290,7 +304,7 @@ def face_config(*, root, num_classes, num_images, epochs, model="r50", margin=("
     c.model_kwargs = {}
     c.num_features = 512
     c.precision = "bfloat16"
-    c.margin = dict(name=margin[0], s=64.0, m=margin[1], straight_through=False)
+    c.margin.update(name=margin[0], s=64.0, m=margin[1], straight_through=False)
     c.sample_rate = sample_rate
     c.optimizer, c.lr, c.weight_decay = optimizer, lr, weight_decay
     c.batch_size = batch  # global: arcface_torch's per-GPU batch × 8 GPUs

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxcls.config import check_data_classes, fc_state_dtype, validate
+from jaxcls.config import check_data_classes, fc_state_dtype, make_margin, validate
 from jaxcls.data.augment import Augment
 from jaxcls.data.images import decode_image
 from jaxcls.data.pipeline import HostBatches
@@ -25,7 +25,6 @@ from jaxcls.data.sources import SOURCES, make_source
 from jaxcls.errors import DataError
 from jaxcls.fc import FCHead
 from jaxcls.fc.sampling import sample_budget
-from jaxcls.losses.margins import MARGINS, CombinedMargin
 from jaxcls.mesh import CLASS_AXES, batch_sharding, class_shards, host_rows, make_mesh, replicated, state_shardings
 from jaxcls.models import make_model, one_off_compile_options, split_model
 from jaxcls.models.layers import BatchNorm
@@ -104,6 +103,7 @@ class Run:
             sampling = (f"PartialFC {c.sample_rate:g}: {budget:,} of {rows:,} rows a shard"
                         + (f" ({budget / rows:.2g} in effect: never fewer than the global batch's {c.batch_size})"
                            if floor else ""))
+        margin_m = c.margin.m if isinstance(c.margin.m, tuple) else f"{c.margin.m:g}"  # 'combined': (m1, m2, m3)
         data = "no training data opened" if self.source is None else (
             f"{len(self.source):,} images of {self.source.num_classes():,} classes")
         return [
@@ -113,7 +113,7 @@ class Run:
             f"FC {c.num_classes:,} classes × {c.num_features} ({c.fc_dtype}"
             f"{', rounded stochastically' if c.fc_weight_rounding == 'stochastic' else ''}, optimizer state "
             f"{jnp.dtype(fc_state_dtype(c)).name}) over {shards} class shards, "
-            f"{head.rows // shards:,} rows per device; {c.margin.name} s={c.margin.s:g} m={c.margin.m:g}; {sampling}",
+            f"{head.rows // shards:,} rows per device; {c.margin.name} s={c.margin.s:g} m={margin_m}; {sampling}",
             f"mesh data={self.mesh.shape['data']} × class={self.mesh.shape['class']} "
             f"({self.mesh.devices.flat[0].platform}, {jax.process_count()} process(es)); global batch "
             f"{c.batch_size} ({c.batch_size // self.mesh.size} per device); optimizer {c.optimizer} lr {c.lr:g}",
@@ -136,12 +136,6 @@ def stored_size(source, size: int) -> str:
     if (height, width) == (size, size):
         return ""
     return f" (stored {height}×{width}, {'resized' if height == width else 'stretched to a square'})"
-
-
-def make_margin(margin_config) -> CombinedMargin:
-    """``config.margin`` (name, s, m, straight_through) → a ``CombinedMargin``."""
-    return MARGINS[margin_config.name](s=margin_config.s, m=margin_config.m,
-                                       straight_through=margin_config.straight_through)
 
 
 def bn_groups(config, mesh: Mesh) -> int:

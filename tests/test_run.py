@@ -1,12 +1,17 @@
 """Building a run from a config: state created in its shardings, abstract state, margins, summary."""
 
+import sys
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
+from absl import flags
 from PIL import Image
 
 from jaxcls import weight_sharding
-from jaxcls.losses import MARGINS
+from jaxcls.config import check_config_flags, define_config_flag, validate
+from jaxcls.losses import MARGINS, CombinedMargin
 from jaxcls.run import build, make_margin
 from tiny import get_config as tiny_config
 
@@ -90,7 +95,37 @@ def test_summary_names_the_resolved_run(run_and_state):
 @pytest.mark.parametrize("name", sorted(MARGINS))
 @pytest.mark.parametrize("straight_through", [False, True])
 def test_margin_from_config_honours_every_field(name, straight_through):
-    c = tiny_config(margin=dict(name=name, s=32.0, m=0.3, straight_through=straight_through))
+    m = (1.2, 0.3, 0.1) if name == "combined" else 0.3
+    c = tiny_config(margin=dict(name=name, s=32.0, m=m, straight_through=straight_through))
     margin = make_margin(c.margin)
-    assert margin == MARGINS[name](s=32.0, m=0.3, straight_through=straight_through)
+    assert margin == MARGINS[name](s=32.0, m=m, straight_through=straight_through)
     assert margin.straight_through is straight_through and margin.s == 32.0
+
+
+def test_combined_margin_from_the_command_line_is_arcface_torchs_margin_list(monkeypatch):
+    """``m = (m1, m2, m3)`` as arcface_torch's ``margin_list``, set on the command line over a config whose margin is
+    a family with one number; the run's summary names it."""
+    argv = ["train", "--config", str(Path(__file__).parent / "tiny.py"), "--config.margin.name=combined",
+            "--config.margin.m=(1.1,0.25,0.15)"]
+    values = flags.FlagValues()
+    monkeypatch.setattr(sys, "argv", argv)  # where ml_collections looks for the overrides it defines
+    define_config_flag(values)
+    check_config_flags(argv)
+    values(argv)
+    assert make_margin(values.config.margin) == CombinedMargin(s=16.0, m1=1.1, m2=0.25, m3=0.15)
+    run = build(values.config, with_data=False)
+    assert "combined s=16 m=(1.1, 0.25, 0.15)" in "\n".join(run.summary())
+
+
+@pytest.mark.parametrize("name,m,message", [
+    ("combined", 0.5, r"margin 'combined' takes m = \(m1, m2, m3\), as arcface_torch's margin_list; got 0.5"),
+    ("combined", (1.0, 0.5), r"takes m = \(m1, m2, m3\).*got \(1.0, 0.5\)"),
+    ("combined", (0.0, 0.5, 0.0), "m1 > 0"),
+    ("combined", (1.0, 3.2, 0.0), r"m2 must be in \[0, π\)"),
+    ("combined", (1.0, 0.5, -0.1), r"^margin.m must be >= 0, got \(1.0, 0.5, -0.1\)$"),
+    ("arcface", (1.0, 0.5, 0.0), r"margin 'arcface' takes one number m.*\(m1, m2, m3\) is margin 'combined'"),
+])
+def test_a_margin_that_cannot_work_is_refused_by_validate(name, m, message):
+    c = tiny_config(margin=dict(name=name, s=64.0, m=m, straight_through=False))
+    with pytest.raises(ValueError, match=message):
+        validate(c, num_devices=1)

@@ -42,7 +42,7 @@ def test_glyphs_smoke_on_2x4_mesh(tmp_path):
     c = tiny_config(num_classes=1500, mesh_data=2, batch_size=64, total_steps=40, warmup_steps=5, ckpt_every=100,
                     sample_rate=0.5, lr=0.2)  # at lr 0.1 the loss falls by ~1 in 40 steps: too close to call
     c.data.kind, c.data.root, c.data.input_size = "recordio", str(GLYPHS), 32
-    c.margin = dict(name="cosface", s=32.0, m=0.2, straight_through=False)
+    c.margin.update(name="cosface", s=32.0, m=0.2, straight_through=False)
     state, last = train(c, tmp_path, progress=False)
     assert dict(state["weight"].sharding.mesh.shape) == {"data": 2, "class": 4}
     history = np.array(losses(tmp_path))

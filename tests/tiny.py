@@ -10,7 +10,7 @@ def get_config(**overrides):
     c.num_classes = 64
     c.model_kwargs = small_r18()
     c.num_features = 32
-    c.margin = dict(name="cosface", s=16.0, m=0.2, straight_through=False)
+    c.margin.update(name="cosface", s=16.0, m=0.2, straight_through=False)
     c.batch_size = 32
     c.total_steps, c.warmup_steps = 6, 1
     c.log_every, c.eval_every, c.ckpt_every = 1, 10**6, 3
