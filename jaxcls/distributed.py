@@ -1,7 +1,9 @@
 """One run over several processes (one per host) on JAX's multi-controller runtime: the launch flags.
 
 ``--distributed`` calls ``jax.distributed.initialize``. With no address given it detects SLURM or Open MPI;
-any other launcher passes ``--coordinator_address host:port``, ``--num_processes`` and ``--process_id`` (or the
+where such a launcher starts one process on a node, that process gets every local GPU (JAX alone would give it the
+one GPU of its local rank: one process per GPU, which a node running several processes gets); any other launcher
+passes ``--coordinator_address host:port``, ``--num_processes`` and ``--process_id`` (or the
 environment variables ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``). CPU collectives
 between processes use gloo. A process that stops sending heartbeats for ``--heartbeat_timeout`` seconds is
 declared dead and every other process exits with an error naming it, instead of waiting in a collective.
@@ -48,10 +50,36 @@ def launch_settings(coordinator_address=None, num_processes=None, process_id=Non
     return settings
 
 
+def processes_on_this_node(environ=os.environ) -> int | None:
+    """How many processes SLURM or Open MPI started on this node (``None`` for another launcher): Open MPI's
+    ``OMPI_COMM_WORLD_LOCAL_SIZE``, or this node's entry (``SLURM_NODEID``) of SLURM's step tasks per node, a list
+    such as ``8(x3),4`` for 8, 8, 8, 4."""
+    if "OMPI_COMM_WORLD_LOCAL_SIZE" in environ:
+        return int(environ["OMPI_COMM_WORLD_LOCAL_SIZE"])
+    per_node = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
+    if per_node is None or "SLURM_NODEID" not in environ:
+        return None
+    counts = []
+    for entry in per_node.split(","):
+        count, _, repeat = entry.partition("(x")
+        counts += [int(count)] * (int(repeat.rstrip(")")) if repeat else 1)
+    return counts[int(environ["SLURM_NODEID"])]
+
+
+def local_device_ids(environ=os.environ) -> list[int] | None:
+    """``[]`` (every local device) where a cluster launcher put one process on this node; else ``None``, JAX's own
+    choice: ``$JAX_LOCAL_DEVICE_IDS`` if set, under SLURM or Open MPI the GPU of the local rank, else all."""
+    if "JAX_LOCAL_DEVICE_IDS" in environ or processes_on_this_node(environ) != 1:
+        return None
+    return []
+
+
 def initialize(coordinator_address=None, num_processes=None, process_id=None,
                heartbeat_timeout: int = DEFAULT_HEARTBEAT_TIMEOUT) -> None:
     """``jax.distributed.initialize`` with explicit or detected settings, gloo CPU collectives and the timeout."""
     settings = launch_settings(coordinator_address, num_processes, process_id)
+    if (devices := local_device_ids()) is not None:  # an empty list: JAX does not pick the local rank's GPU
+        settings["local_device_ids"] = devices
     if "jax_cpu_collectives_implementation" in jax.config.values:  # gloo is the default since jax 0.5.1
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     accepted = inspect.signature(jax.distributed.initialize).parameters
