@@ -26,7 +26,9 @@ def get_config():
                     warmup_epochs=1)
     c.eval_bins = (os.path.join(GLYPHS, "glyphs_pairs.bin"),)
     c.lr_power = 2.0  # as measured (docs/import.md), before face_config took train_v2.py's linear decay
-    c.eval_every = c.ckpt_every = c.get_ref("total_steps")  # follows a batch set on the command line
+    # follow a batch set on the command line; each its own reference (one shared object would make an override of
+    # either set total_steps too)
+    c.eval_every, c.ckpt_every = c.get_ref("total_steps") * 1, c.get_ref("total_steps") * 1
     c.log_every = 20
     c.data.augment.update(crop=0.5, crop_scale=0.8, rotate=0.5, rotate_degrees=8.0)
     return c

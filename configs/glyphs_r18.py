@@ -22,7 +22,7 @@ def get_config():
     c.data.root = os.path.normpath(GLYPHS)
     c.data.input_size = 48
     c.num_classes = 1500
-    c.eval_bins = (os.path.join(c.data.root, "glyphs_pairs.bin"),)
+    c.eval_bins = ("glyphs_pairs.bin",)  # in data.root
     c.model = "r18"
     c.model_kwargs = dict(width=16)
     c.num_features = 128

@@ -12,7 +12,8 @@ import pytest
 from absl import flags
 
 from jaxcls.config import (NAMED_CHOICES, RANGES, RESUMABLE_KEYS, base_config, check_batchnorm_rows, check_config_flags,
-                           check_keys, define_config_flag, from_json, get_key, resume_differences, validate)
+                           check_keys, define_config_flag, flat_keys, from_json, get_key, plain, resume_differences,
+                           validate)
 from jaxcls.eval.evaluator import eval_bin_paths
 from jaxcls.fc import DEFAULT_CHUNK
 from jaxcls.run import build
@@ -32,6 +33,28 @@ def load(path):
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_every_shipped_config_is_valid(path):
     validate(load(path), num_devices=8)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_an_override_of_one_key_of_a_shipped_config_changes_no_other_key(path):
+    """Keys that follow another (eval_every from total_steps) must each hold their own reference: one object
+    shared by two keys turned ``--config.eval_every=10`` into a 10-step run. The keys others follow by design
+    (``batch_size``, ``total_steps``) are not overridden here; a root set on the command line moves the verification
+    sets too."""
+    before = plain(load(path))
+    for key in flat_keys(load(path)):
+        value = get_key(load(path), key)
+        if key in ("batch_size", "total_steps") or not isinstance(value, int) or isinstance(value, bool):
+            continue
+        c = load(path)
+        node, leaf = (c, key) if "." not in key else (get_key(c, key.rsplit(".", 1)[0]), key.rsplit(".", 1)[1])
+        node[leaf] = value + 1
+        changed = plain(c)
+        assert [k for k in flat_keys(c) if get_key(changed, k) != get_key(before, k)] == [key]
+    if path.name != "glyphs_finetune_gpu.py":  # its sets are glyphs' own, beside the half it trains on
+        c = load(path)
+        c.data.root = "/elsewhere"
+        assert all(str(p).startswith("/elsewhere/") for p in eval_bin_paths(c))
 
 
 # arcface_torch's configs/<name>.py at insightface's HEAD: (margin, m, sample_rate, weight decay, global batch, lr,
