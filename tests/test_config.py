@@ -140,6 +140,7 @@ def test_unknown_names_are_refused_before_any_data_is_opened(key, table, what, t
     (dict(optimizer="adamw", fc_state_dtype="int8"), "adamw cannot keep its FC state in int8"),
     (dict(optimizer="adamw", fc_dtype="float16"), "adamw cannot keep its FC state in float16 .*rounds to 0"),
     (dict(optimizer="adamw", fc_state_dtype="float16"), "adamw cannot keep its FC state in float16"),
+    (dict(optimizer="adamw", fc_dtype="bfloat16"), "adamw cannot keep its FC state in bfloat16 .*fc_state_dtype=float32"),
     (dict(fc_weight_rounding="stochastic"), "stochastic rounding is for a bfloat16 FC weight, not float32"),
     (dict(fc_dtype="float16", fc_weight_rounding="stochastic"), "for a bfloat16 FC weight, not float16"),
     (dict(fc_weight_rounding="up"), r"unknown FC weight rounding 'up'; choose one of \['nearest', 'stochastic'\]"),

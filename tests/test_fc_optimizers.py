@@ -74,14 +74,28 @@ def test_a_fresh_state_is_its_own_arrays_so_a_step_can_donate_them(opt):
     assert np.isfinite(np.asarray(new_w)).all()
 
 
-def test_adamw_refuses_a_state_its_second_moment_would_round_to_zero_in():
-    """In float16 ``(1 − b2)·g²`` underflows once ``|g| < 8e-3``: stored as 0, the next step is 65× too large."""
-    for dtype in (jnp.float16, jnp.int8):
+def test_adamw_keeps_its_state_in_float32_only():
+    """In float16 ``(1 − b2)·g²`` underflows once ``|g| < 8e-3``: stored as 0, the next step is 65× too large. In
+    bfloat16 ``0.999·ν`` rounds back to ν (ν never decays) and ``0.001·g²`` stops adding after ~500 updates."""
+    for dtype in (jnp.float16, jnp.bfloat16, jnp.int8):
         with pytest.raises(ValueError, match=f"adamw cannot keep its FC state in {jnp.dtype(dtype).name}"):
             adamw(state_dtype=dtype)
-    with pytest.raises(ValueError, match="adamw cannot keep its FC state in float16"):  # the weight's, by default
-        adamw().init(jnp.zeros((4, 2), jnp.float16))
-    adamw(state_dtype=jnp.bfloat16).init(jnp.zeros((4, 2), jnp.float16))
+        with pytest.raises(ValueError, match=f"adamw cannot keep its FC state in {jnp.dtype(dtype).name}"):
+            adamw().init(jnp.zeros((4, 2), dtype))  # the weight's, by default
+    adamw(state_dtype=jnp.float32).init(jnp.zeros((4, 2), jnp.bfloat16))
+    nu = jnp.zeros((), jnp.bfloat16)  # why: the second moment's own update, stored as bfloat16, from ν = 0 and g = 1
+    for _ in range(3000):
+        nu = (0.999 * nu.astype(jnp.float32) + 0.001).astype(jnp.bfloat16)
+    assert float(nu) < 0.3  # float32: 1 − 0.999³⁰⁰⁰ = 0.95
+
+
+def test_sgd_keeps_its_momentum_in_a_floating_dtype_or_int8():
+    """Another integer dtype would store the momentum truncated ([0.3, −0.5] as [0, 0]), uint8 without its sign."""
+    for dtype in (jnp.int16, jnp.int32, jnp.uint8):
+        with pytest.raises(ValueError, match=f"sgd cannot keep its momentum in {jnp.dtype(dtype).name}"):
+            sgd(state_dtype=dtype)
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int8, jnp.float8_e4m3fn):
+        sgd(state_dtype=dtype).init(jnp.zeros((4, 2), jnp.float32))
 
 
 @pytest.mark.parametrize("name,rounding", [("sgd", "nearest"), ("adamw", "nearest"), ("sgd", "stochastic")])
