@@ -210,7 +210,9 @@ def test_an_iresnet_step_all_reduces_batchnorm_statistics_only_with_bn_sync():
     layers = sum(s.size // s.shape[-1] for s in stats) // 2  # stacked blocks' statistics are [depth, C]
     stat_bytes = 4 * sum(s.size for s in stats)  # running mean and variance, float32
     param_bytes = 4 * sum(p.size for p in jax.tree.leaves(run.abstract_state["params"]))
-    assert parts[False] == {"forward": [layers, stat_bytes], "backward": [parts[False]["backward"][0], param_bytes]}
+    assert parts[False]["forward"] == [layers, stat_bytes] and parts[False]["backward"][1] == param_bytes
+    # XLA may reduce several parameters' gradients in one variadic all-reduce: at most one each
+    assert 1 <= parts[False]["backward"][0] <= len(jax.tree.leaves(run.abstract_state["params"]))
     assert parts[True]["forward"] == [2 * layers, stat_bytes]
     features = run.abstract_state["params"]["features"]["bias"].size  # its Σ dy·x̂, [num_features] float32
     assert parts[True]["backward"][1] == param_bytes + 4 * features
