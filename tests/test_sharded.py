@@ -221,10 +221,18 @@ class TestBadInput:
         with pytest.raises(ValueError, match=rf"label {bad} at batch index 5 is outside \[0, 21\)"):
             self.loss(labels=labels)
 
-    def test_label_out_of_range_under_jit_gives_nan(self):
-        f = jax.jit(lambda y: self.loss(labels=y))
-        assert np.isfinite(float(f(self.labels)))
-        assert np.isnan(float(f(self.labels.at[3].set(21))))
+    @pytest.mark.parametrize("chunk_size", [None, 2])
+    def test_label_out_of_range_under_jit_gives_nan_loss_and_gradients(self, chunk_size):
+        """The gradients too, so that a step guarded on finite gradients (``optax.apply_if_finite``, a loss scale)
+        skips the batch: a select gave a NaN loss with zero, finite gradients."""
+        f = jax.jit(jax.value_and_grad(lambda e, w, y: self.loss(e, w, y, chunk_size=chunk_size), argnums=(0, 1)))
+        emb = jax.device_put(jnp.asarray(np.random.default_rng(0).normal(size=(16, self.d)), jnp.float32),
+                             batch_sharding(self.mesh))
+        value, grads = f(emb, self.weight, self.labels)
+        assert np.isfinite(float(value)) and all(np.isfinite(np.asarray(g)).all() for g in grads)
+        value, grads = f(emb, self.weight, self.labels.at[3].set(21))
+        d_emb, d_weight = (np.asarray(g) for g in grads)  # the padding rows' gradient stays 0
+        assert np.isnan(float(value)) and np.isnan(d_emb).all() and np.isnan(d_weight[:self.c]).all()
 
     def test_batch_not_divisible(self):
         with pytest.raises(ValueError, match="batch size 12 is not divisible by the 8 devices"):

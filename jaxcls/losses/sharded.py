@@ -85,7 +85,7 @@ def sharded_margin_loss(embeddings: jax.Array, weight: jax.Array, labels: jax.Ar
       The scalar float32 mean loss over the global batch, replicated.
 
     Labels are checked on the host when concrete; under ``jit`` a label outside
-    ``[0, num_classes)`` makes the returned loss NaN (never a silent wrong loss).
+    ``[0, num_classes)`` makes the returned loss and every gradient NaN (never a silent wrong value).
     """
     class_axes = tuple(class_axes)
     if num_classes is None:
@@ -106,7 +106,7 @@ def sharded_margin_loss(embeddings: jax.Array, weight: jax.Array, labels: jax.Ar
                              in_specs=(BATCH_ROWS, weight_spec(class_axes), BATCH, row_spec(class_axes)),
                              out_specs=P())(embeddings, weight, labels.astype(jnp.int32), row_classes)
     invalid = jnp.any((labels < 0) | (labels >= num_classes))
-    return jnp.where(invalid, jnp.nan, loss)
+    return loss * jnp.where(invalid, jnp.nan, 1.0)  # NaN, and so is every gradient (a select would give them 0)
 
 
 def _per_shard_loss(embeddings, weight, labels, row_classes, *, margin, class_axes, num_classes, chunk_size, grad_dtype,
