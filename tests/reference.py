@@ -20,7 +20,7 @@ MARGINS = {  # every margin family the tests run, ArcFace both exact and straigh
 def margin_target(cos, s, m1, m2, m3, straight_through=False):
     """s·(cos(m1·θ + m2) − m3); past m1·θ + m2 = π, linear in cos (continuous at the threshold), except in the
     straight-through form (arcface_torch's, whose value is the formula's at every angle)."""
-    theta = jnp.arccos(jnp.clip(cos, -1.0, 1.0))
+    theta = jnp.arccos(jnp.where(jnp.abs(cos) <= 1.0, cos, jnp.sign(cos)))  # torch's clamp: gradient 1 at ±1
     threshold = min((math.pi - m2) / m1, math.pi)
     linear = cos - (math.cos(threshold) + 1.0)
     value = jnp.where((m1 * theta + m2 <= math.pi) | straight_through, jnp.cos(m1 * theta + m2), linear)

@@ -40,6 +40,19 @@ def test_gradients_finite_at_the_edges(name):
     assert np.all(np.isfinite(grads)), grads
 
 
+@pytest.mark.parametrize("name", sorted(MARGINS))
+def test_the_clamp_to_plus_minus_one_passes_the_whole_gradient_at_its_ends(name):
+    """As torch's ``clamp`` (arcface_torch clamps the logits): at exactly ±1 the gradient is the margin's own there,
+    not half of it; beyond, 0."""
+    margin = MARGINS[name]
+    for x in (-1.0, 1.0):
+        own = jax.grad(lambda c: margin.s * margin._target_cos(c))(jnp.float32(x))
+        if margin.straight_through:
+            own = margin.s
+        np.testing.assert_allclose(jax.grad(margin.target_logit)(jnp.float32(x)), own, rtol=1e-6)
+    assert float(jax.grad(margin.target_logit)(jnp.float32(1.5))) == 0.0
+
+
 @pytest.mark.parametrize("name", ["arcface", "sphereface", "combined"])
 def test_continuous_and_monotone_past_pi(name):
     """Where m1·θ + m2 > π the target logit keeps falling as θ grows, without a jump."""
@@ -71,7 +84,7 @@ def test_every_margin_honours_straight_through(name, rng):
     """The gradient is that of s·cos θ (for CosFace/AM-softmax it already was); the value is the exact form's up to
     the threshold angle and, past it, the formula's own (arcface_torch's), where the exact form goes on linearly."""
     exact, st = (jaxcls_margins.MARGINS[name](s=16.0, straight_through=flag) for flag in (False, True))
-    cos = jnp.asarray(rng.uniform(-0.9999, 0.9999, size=256), jnp.float32)  # (at ±1 the clip halves a gradient)
+    cos = jnp.asarray(np.append(rng.uniform(-0.9999, 0.9999, size=254), [-1.0, 1.0]), jnp.float32)
     theta = np.arccos(np.asarray(cos, np.float64))
     formula = 16.0 * (np.cos(st.m1 * theta + st.m2) - st.m3)
     np.testing.assert_allclose(st.target_logit(cos), formula, rtol=1e-5, atol=1e-4)

@@ -76,8 +76,10 @@ class CombinedMargin:
         return math.cos(min((math.pi - self.m2) / self.m1, math.pi))
 
     def target_logit(self, cos: jax.Array) -> jax.Array:
-        """Margin target logit for ``cos`` (float32, any shape), clipped to [-1, 1]."""
-        x = jnp.clip(cos.astype(jnp.float32), -1.0, 1.0)
+        """Margin target logit for ``cos`` (float32, any shape), clamped to [-1, 1] as torch clamps: the clamp's
+        gradient is 1 on the closed interval, ±1 included (``jnp.clip`` halves it there), and 0 outside."""
+        x = cos.astype(jnp.float32)
+        x = jnp.where(jnp.abs(x) <= 1.0, x, jnp.sign(x))
         value = self._target_cos(x)
         if self.straight_through:
             value = x + jax.lax.stop_gradient(value - x)
