@@ -258,3 +258,20 @@ class TestBadInput:
     def test_bad_chunk_size(self):
         with pytest.raises(ValueError, match="chunk_size must be positive"):
             self.loss(chunk_size=0)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 24])
+def test_float16_compute_keeps_a_scaled_losss_row_gradients_in_float32(chunk_size, rng):
+    """With a loss scale (the trainer's first is 2¹⁶) the rows' gradient products exceed float16's range; they are
+    multiplied and kept in float32 for a float32 weight (rounded to float16 first, they were inf)."""
+    mesh = make_mesh(1, 8)
+    c, d, n, scale = 200, 64, 64, 2.0**16
+    weight = init_weight(jax.random.key(int(rng.integers(2**31))), c, d, mesh)  # its default, small rows
+    emb = jax.device_put(rng.normal(size=(n, d)).astype(np.float16), batch_sharding(mesh))
+    labels = jax.device_put(rng.integers(0, c, size=n).astype(np.int32), batch_sharding(mesh))
+    f = partial(sharded_margin_loss, labels=labels, margin=MARGINS["cosface"], mesh=mesh, num_classes=c,
+                chunk_size=chunk_size)
+    grad = jax.jit(jax.grad(lambda w, k: k * f(emb, w), argnums=0))
+    scaled, plain = (np.asarray(grad(weight, k))[:c] for k in (scale, 1.0))
+    assert np.abs(scaled).max() > np.finfo(np.float16).max  # the case: beyond float16
+    assert np.isfinite(scaled).all() and rel_err(scaled / scale, plain) < 1e-3

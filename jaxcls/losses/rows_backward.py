@@ -277,4 +277,4 @@ def _summed_row_grad(index, weight_ref, columns_ref, kept_ref, rel_ref, lse_ref,
                                                 (jnp.zeros((index.shape[0], d), jnp.float32), no_rows, no_rows))
     # carried out of the loop rather than recomputed from the rows read below: that held 174 registers, this 128
     inverse = tiles.inverse_of_squares(squares)
-    return product.astype(e_ref.dtype), tiles.radial_part(d_inverse, inverse, squares)
+    return product.astype(dtype), tiles.radial_part(d_inverse, inverse, squares)

@@ -153,17 +153,23 @@ def gradient_product_dtype(e_dtype):
 
 
 def cosines_pullback(e_n, w_n, g):
-    """``cosines``' gradients ``(d e_n [N, D], d w_n [T, D])`` for the cotangent ``g`` ``[N, T]`` float32, multiplied
-    in ``gradient_product_dtype``: for a caller that holds the products already (``tile_grad_parts``)."""
+    """``cosines``' gradients ``(d e_n [N, D] in e_n's dtype, d w_n [T, D] in gradient_product_dtype)`` for the
+    cotangent ``g`` ``[N, T]`` float32: for a caller that holds the products already (``tile_grad_parts``). The rows'
+    part stays in the dtype it is multiplied in: float16's would overflow under a loss scale."""
     dtype = gradient_product_dtype(e_n.dtype)
     # autodiff of the product in `dtype` transposes it, summing over the mesh axes where an operand is replicated
     product = lambda e, w: jnp.dot(e, w.T, preferred_element_type=dtype)
     _, pullback = jax.vjp(product, e_n.astype(dtype), w_n.astype(dtype))
     d_e, d_w = pullback(g.astype(dtype))
-    return d_e.astype(e_n.dtype), d_w.astype(w_n.dtype)
+    return d_e.astype(e_n.dtype), d_w
 
 
-cosines.defvjp(_cosines_fwd, lambda residuals, g: cosines_pullback(*residuals, g))
+def _cosines_bwd(residuals, g):
+    d_e, d_w = cosines_pullback(*residuals, g)
+    return d_e, d_w.astype(residuals[1].dtype)  # a custom VJP's cotangent has its primal's dtype
+
+
+cosines.defvjp(_cosines_fwd, _cosines_bwd)
 
 
 class TileColumns(NamedTuple):
@@ -277,8 +283,8 @@ def tile_grad_parts(e_n, w_tile, where: TileColumns, margin: CombinedMargin, lse
     ``products``: the tile's ``cosines(e_n, rows)`` ``[N, T]`` where a forward kept them; recomputed if ``None``.
 
     ``cos = (e_n · w) · r`` with ``r = 1/‖w‖``: ``∂/∂w = product − radial·w``, where ``product = (∂/∂cos · r)ᵀ e_n``
-    ``[T, D]`` (in ``e_n``'s dtype, as ``cosines`` multiplies) and ``radial = r³ Σ_n ∂/∂cos · (e_n · w)`` ``[T]``
-    float32, the derivative of the norm (a projection: the row gradient has no component along the row).
+    ``[T, D]`` (in ``gradient_product_dtype``, as ``cosines`` multiplies) and ``radial = r³ Σ_n ∂/∂cos · (e_n · w)``
+    ``[T]`` float32, the derivative of the norm (a projection: the row gradient has no component along the row).
     """
     rows, squares, inverse, target_cos = tile_operands(e_n, w_tile, where)
     products = cosines(e_n, rows) if products is None else products
