@@ -23,11 +23,13 @@ LAYOUTS = [((1, 8), ("data", "class")), ((2, 4), ("data", "class")), ((2, 4), ("
 OPTIMIZERS = {"sgd": (sgd, sgd_step), "adamw": (adamw, adamw_step)}
 
 
-def setup(rng, mesh_shape, class_axes, rate, chunk, optimizer="sgd", margin="arcface", dtype=jnp.float32, d=None):
-    """A head with random weight and optimizer state, a batch, and its sample (``d``: the width, default random)."""
+def setup(rng, mesh_shape, class_axes, rate, chunk, optimizer="sgd", margin="arcface", dtype=jnp.float32, d=None,
+          per_shard=(12, 40)):
+    """A head with random weight and optimizer state, a batch, and its sample (``d``: the width, default random;
+    ``per_shard``: the range of classes a shard holds)."""
     mesh = make_mesh(*mesh_shape)
     shards = class_shards(mesh, class_axes)
-    c, d, n = shards * int(rng.integers(12, 40)) - int(rng.integers(0, shards)), d or int(rng.integers(4, 17)), 16
+    c, d, n = shards * int(rng.integers(*per_shard)) - int(rng.integers(0, shards)), d or int(rng.integers(4, 17)), 16
     head = FCHead(mesh, c, d, MARGINS[margin], OPTIMIZERS[optimizer][0](state_dtype=dtype), sample_rate=rate,
                   class_axes=class_axes, chunk_size=chunk, dtype=dtype)
     weight, state = head.init(jax.random.key(int(rng.integers(2**31))))
@@ -128,6 +130,21 @@ def test_bad_label_under_jit_gives_nan_and_leaves_the_fc_untouched(rng):
     assert np.isnan(float(loss)) and np.array_equal(new_w, weight) and int(new_state.count) == int(state.count)
     with pytest.raises(ValueError, match=f"label {head.num_classes} at batch index 3"):
         head.step(weight, state, emb, jax.device_put(bad, labels.sharding), sample, 0.1)
+
+
+@pytest.mark.parametrize("mesh_shape, class_axes", [((1, 8), ("data", "class")), ((2, 4), ("class",))], ids=str)
+def test_a_sample_that_lacks_a_batch_label_gives_nan_and_leaves_the_fc_untouched(mesh_shape, class_axes, rng):
+    """A sample drawn for other labels (reused across batches, drawn per micro-batch): the labels it lacks would
+    train with no target at all, a finite and wrong loss."""
+    head, weight, state, emb, labels, sample = setup(rng, mesh_shape, class_axes, 0.3, None, per_shard=(60, 90))
+    other = np.setdiff1d(np.arange(head.num_classes), np.asarray(sample.classes))  # classes the sample lacks
+    loss, _, new_w, new_state = run(head, weight, state, emb, labels, sample, 0.1)
+    assert np.isfinite(float(loss)) and int(new_state.count) == int(state.count) + 1
+    missing = jax.device_put(np.asarray(labels).copy(), labels.sharding).at[5].set(int(rng.choice(other)))
+    loss, _, new_w, new_state = run(head, weight, state, emb, missing, sample, 0.1)
+    assert np.isnan(float(loss)) and np.array_equal(new_w, weight) and int(new_state.count) == int(state.count)
+    for new, old in zip(new_state.slots, state.slots):
+        assert np.array_equal(new, old)
 
 
 def storages(*cases):

@@ -107,7 +107,8 @@ class FCHead:
         Returns:
           ``(loss, d_embeddings, weight, state)``: the float32 mean loss over the global batch, the
           float32 gradient of the loss w.r.t. ``embeddings`` (same sharding), the new weight and state.
-          A label outside ``[0, num_classes)`` makes the loss NaN and leaves the FC unchanged.
+          A label outside ``[0, num_classes)``, or one ``sample`` lacks (drawn for other labels), makes the loss
+          NaN and leaves the FC unchanged.
         """
         tiles.check_inputs(embeddings, weight, labels, self.mesh, self.class_axes, self.num_classes)
         row_classes = (tiles.full_row_classes(self.rows, self.mesh, self.class_axes) if sample is None
@@ -167,7 +168,11 @@ def _step_shard(emb, labels, weight, slots, row_classes, lr, count, keep_update,
     # a non-finite embedding or loss never reaches the rows (the caller sees the loss non-finite); every shard
     # decides alike (replicas of the rows over data axes hold other samples)
     finite = jnp.all(jnp.isfinite(lse)) & jnp.all(jnp.isfinite(e_n32))
-    keep_update = keep_update & (lax.pmin(finite.astype(jnp.int32), head.mesh.axis_names) > 0)
+    # every target among the rows taking part, on one shard (a sample drawn for other labels misses some): else the
+    # loss is NaN and the rows stay, as for a label outside [0, num_classes)
+    sampled = lax.psum(jnp.sum(targets >= 0), class_axes) == targets.shape[0]
+    finite, sampled = lax.pmin(jnp.stack([finite, sampled]).astype(jnp.int32), head.mesh.axis_names) > 0
+    keep_update = keep_update & finite & sampled
     count = count + keep_update.astype(count.dtype) if with_update else count  # the optimizer's step number
 
     rule = optimizer_rule(head.optimizer, dtypes if bits else None)
@@ -186,7 +191,7 @@ def _step_shard(emb, labels, weight, slots, row_classes, lr, count, keep_update,
     if layout.data_axes(class_axes):
         total = lax.psum(total, layout.data_axes(class_axes))
     weight, *slots = (bitcast(a, t) for a, t in zip((weight, *slots), dtypes))
-    return total / global_batch, pull(d_e)[0], weight, tuple(slots), count
+    return total / global_batch * jnp.where(sampled, 1.0, jnp.nan), pull(d_e)[0], weight, tuple(slots), count
 
 
 def stores_bits(mesh: Mesh) -> bool:
