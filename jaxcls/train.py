@@ -22,7 +22,7 @@ from absl import flags
 
 from jaxcls import distributed
 from jaxcls.checkpoint import CheckpointError, RunCheckpoints, remove_unfinished_saves, run_config
-from jaxcls.config import check_batchnorm_rows, define_config_flag, from_json, resume_differences
+from jaxcls.config import check_batchnorm_rows, define_config_flag, from_json, resume_differences, validate
 from jaxcls.data.pipeline import device_batch
 from jaxcls.eval.evaluator import Evaluator
 from jaxcls.interrupts import Preempted, StopRequests
@@ -47,8 +47,9 @@ def train(config, workdir: str | os.PathLike, devices=None, progress: bool = Tru
     ``init_from`` ``"WORKDIR[:STEP]"``: a new run starts from that run's backbone (and FC weight if ``init_fc``).
     """
     workdir = Path(workdir).absolute()  # orbax writes only to absolute paths
-    run = build(config, devices)  # validates the whole config first
-    check_batchnorm_rows(config, run.mesh.size)
+    devices = jax.devices() if devices is None else devices
+    validate(config, len(devices))  # the config, the lock and a resume's config are refused before the data opens
+    check_batchnorm_rows(config, len(devices))
     lock = WorkdirLock(workdir, "jaxcls.train")
     if jax.process_index() == 0:
         taken_over = lock.acquire()
@@ -60,17 +61,18 @@ def train(config, workdir: str | os.PathLike, devices=None, progress: bool = Tru
     try:
         with StopRequests() as stop:
             checkpoints = RunCheckpoints(workdir / "checkpoints", config.keep_checkpoints)
+            resuming = check_resumable(config, workdir, checkpoints)
+            run = build(config, devices)  # opens the training data (a headerless .rec: every record's label read)
             stop.starting_after(checkpoints.latest_step() or 0)
-            return _train(run, workdir, checkpoints, stop, progress, stop_after, init_from, init_fc)
+            return _train(run, workdir, checkpoints, stop, resuming, progress, stop_after, init_from, init_fc)
     finally:
         if jax.process_index() == 0:
             lock.release()
 
 
-def _train(run, workdir: Path, checkpoints: RunCheckpoints, stop: StopRequests, progress: bool, stop_after,
-           init_from, init_fc):
+def _train(run, workdir: Path, checkpoints: RunCheckpoints, stop: StopRequests, resuming: bool, progress: bool,
+           stop_after, init_from, init_fc):
     config = run.config
-    resuming = check_resumable(run, workdir, checkpoints)
     end = config.total_steps if stop_after is None else min(stop_after, config.total_steps)
     if resuming and checkpoints.latest_step() >= end:  # nothing to train: no compile, no new rows
         log.info("%s is at step %d of %d already: nothing to train", workdir, checkpoints.latest_step(),
@@ -132,15 +134,15 @@ def compile_fitting_step(run):
     return step_fn
 
 
-def check_resumable(run, workdir: Path, checkpoints: RunCheckpoints) -> bool:
+def check_resumable(config, workdir: Path, checkpoints: RunCheckpoints) -> bool:
     """Whether the workdir holds checkpoints to resume; refused (``CheckpointError``) if their ``config.json`` is
-    missing or differs from the run's config in a key outside ``RESUMABLE_KEYS``. Cheap: runs before compiling."""
+    missing or differs from ``config`` in a key outside ``RESUMABLE_KEYS``. Cheap: runs before the run is built."""
     if checkpoints.latest_step() is None:
         return False
     saved_config = workdir / "config.json"
     if not saved_config.exists():
         raise CheckpointError(f"{workdir} has checkpoints but no config.json to check this config against")
-    differences = resume_differences(from_json(saved_config.read_text()), run.config)
+    differences = resume_differences(from_json(saved_config.read_text()), config)
     if differences:
         raise CheckpointError(f"{workdir} holds a run with another config ({'; '.join(differences)}): resume it "
                               f"with its own config, use a new workdir, or fine-tune with --init_from {workdir}")

@@ -21,6 +21,7 @@ from jaxcls.checkpoint import CheckpointError, RunCheckpoints
 from jaxcls.interrupts import Preempted, StopRequests
 from jaxcls.run import build
 from jaxcls.train import Diverged, check_init_from, initialized_from, train
+from jaxcls.workdir import WorkdirLock, WorkdirLocked
 from test_recordio import GLYPHS, needs_glyphs
 from tiny import get_config as tiny_config, saved_run
 
@@ -97,6 +98,19 @@ def test_resume_is_strict_and_init_from_takes_another_runs_backbone(tmp_path, mo
                                                   rf"\({re.escape(shown)}; total_steps: 2 → 4\): resume it with its"):
             train(tiny_config(sample_rate=0.5, total_steps=4, **change), "runs/relative", progress=False)
     assert (tmp_path / "runs/relative/config.json").read_text() == saved_config
+    # refused before the training data is opened (a headerless .rec has every record's label read): data that is
+    # not there gives the same error, as does another program holding the workdir
+    elsewhere = tiny_config(sample_rate=0.5, total_steps=4)
+    elsewhere.data.kind, elsewhere.data.root = "recordio", str(tmp_path / "nowhere")
+    with pytest.raises(CheckpointError, match=r"holds a run with another config \(data.kind: 'procedural'"):
+        train(elsewhere, "runs/relative", progress=False)
+    holder = WorkdirLock(tmp_path / "runs/relative", "another trainer")
+    holder.acquire()
+    try:
+        with pytest.raises(WorkdirLocked, match="in use by another trainer"):
+            train(elsewhere, "runs/relative", progress=False)
+    finally:
+        holder.release()
 
     # a new run (another class count) starts from step 1's backbone; the FC only with the same classes
     run = build(tiny_config(sample_rate=0.5, num_classes=80))
