@@ -15,6 +15,7 @@ import inspect
 import os
 
 import jax
+import numpy as np
 from absl import flags
 from jax.experimental import multihost_utils
 
@@ -94,6 +95,14 @@ def initialize_from_flags() -> None:
         initialize(f.coordinator_address, f.num_processes, f.process_id, f.heartbeat_timeout)
     elif f.coordinator_address or f.num_processes or f.process_id is not None:
         raise ValueError("--coordinator_address / --num_processes / --process_id need --distributed")
+
+
+def summed_over_processes(value: int) -> int:
+    """``value`` summed over every process (each must call it at the same point), e.g. each host's count of its own
+    rows' bad records."""
+    if jax.process_count() == 1:
+        return int(value)
+    return int(np.sum(multihost_utils.process_allgather(np.asarray(value, np.int32))))
 
 
 def barrier(name: str, timeout: int = 1800) -> None:

@@ -100,7 +100,7 @@ def _train(run, workdir: Path, checkpoints: RunCheckpoints, stop: StopRequests, 
             if evaluating or step % config.log_every == 0:  # an eval step writes a row whatever the log cadence
                 host_metrics = jax.device_get(metrics)  # BadSteps has seen the steps before this one
                 last = logged_metrics(host_metrics, step, row_step, config, time.perf_counter() - tick,
-                                      bad.total + (not host_metrics["finite"]), batches.bad_records)
+                                      bad.total + (not host_metrics["finite"]), bad_records(config, batches))
                 if evaluating:
                     last.update(evaluate(state))
                 writer.write(step, last)
@@ -154,7 +154,9 @@ def start(run, workdir: Path, checkpoints: RunCheckpoints, resuming: bool, init_
     refused if any array differs), else a fresh state, from ``init_from`` if given. Writes ``config.json``
     (process 0) once the run has been validated."""
     saved_config = workdir / "config.json"
-    batches = run.batches(bad_records_log=workdir / "bad_records.txt")
+    # each host lists the bad records of its own rows, in a file of its own
+    log_file = "bad_records.txt" if jax.process_count() == 1 else f"bad_records.{jax.process_index()}.txt"
+    batches = run.batches(bad_records_log=workdir / log_file)
     if resuming:
         state, position = checkpoints.restore(run.abstract_state)
         batches.set_state(position)
@@ -242,8 +244,14 @@ def save(checkpoints: RunCheckpoints, step: int, state: dict, data_position: dic
 _finite_parts = jax.jit(lambda state: {k: all_finite(v) for k, v in state.items()})
 
 
+def bad_records(config, batches) -> int | None:
+    """The records skipped in the batches trained since the process started, over every host (each decodes its own
+    rows); ``None`` unless ``data.bad_records`` is ``skip``. Every process calls it at the same steps."""
+    return distributed.summed_over_processes(batches.bad_records) if config.data.bad_records == "skip" else None
+
+
 def logged_metrics(metrics: dict, step: int, row_step: int, config, seconds: float, skipped: int,
-                   bad_records: int) -> dict:
+                   bad_records: int | None) -> dict:
     """The row of ``metrics.jsonl`` for ``step``, ``seconds`` after the previous row (at ``row_step``), ``skipped``
     the steps skipped up to this one (since this process started the run); warns on a bad step."""
     row = {k: float(metrics[k]) for k in ("loss", "lr", "grad_norm", "loss_scale")}

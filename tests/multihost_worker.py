@@ -93,6 +93,7 @@ def main(coordinator, num_processes, process_id, seed, out):
         for key, value in dict(loss=loss, g_emb=g_emb, g_w=g_w, step_loss=step_loss, d_emb=d_emb, new_w=new_w,
                                new_slot=new_state.slots[0], new_count=new_state.count, rows=sample.rows).items():
             results[f"{name}/{key}"] = gathered(value)
+    results["summed"] = np.asarray(distributed.summed_over_processes(jax.process_index() + 1))
     if jax.process_index() == 0:
         np.savez(out, **results)
 

@@ -191,6 +191,7 @@ def test_sharded_loss_and_fused_fc_step_on_two_processes_equal_the_float64_refer
     logs = tmp_path / "logs"
     finish(launch(2, ["tests/multihost_worker.py", str(seed), str(out)], logs, module=False), logs, timeout=240)
     results = np.load(out)
+    assert int(results["summed"]) == 1 + 2  # each process's count (its index + 1), summed over both
     mesh = make_mesh(*MESH)  # the same layout on this process's 8 devices, for the head's bookkeeping
     for name, class_axes in LAYOUTS.items():
         head, x = fc_problem(seed, mesh, class_axes)
