@@ -13,7 +13,7 @@ from jaxcls.fc.optimizers import adamw, decode, encode, sgd
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxcls.losses import kernel_forms, rows_backward, tiles
-from reference import MARGINS, adamw_step, margin_target, rel_err, sgd_step
+from reference import MARGINS, adamw_step, aimed_at_targets, margin_target, rel_err, sgd_step
 
 # each form: (the form forced, its variant, rows_backward.VARIANTS): XLA's form, the kernels (interpreted), and the
 # update kernel alone on XLA's GEMMs
@@ -35,13 +35,13 @@ def draw_tile(rng, dtype):
     real = t - (0 if rng.random() < 0.5 else int(rng.integers(1, 4)))
     first = int(rng.integers(0, 1000))
     owned = first + int(rng.integers(0, t // 3))
-    e = rng.normal(size=(n, d))
-    e_n = jnp.asarray(e / np.linalg.norm(e, axis=1, keepdims=True), dtype)
     column = rng.integers(0, real + 20, n)  # a real class of the tile, or one of the next tile's
     targets = np.where(rng.random(n) < 0.8, first + np.where(column < real, column, column + t - real), -1)
     targets[0] = first + real - 1
     where = tiles.tile_columns(jnp.asarray(targets, jnp.int32), jnp.arange(t) < real, first, owned)
-    return weight, index, where, e_n
+    # a few targets' cosines near -1 (past the margins' threshold angles) and +1
+    e = aimed_at_targets(rng.normal(size=(n, d)), np.asarray(weight[index], np.float64), np.asarray(where.rel), rng)
+    return weight, index, where, jnp.asarray(e, dtype)
 
 
 def float64_loss(margin, where, lse, g):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxcls.losses import rows_stats, tiles
-from reference import MARGINS, margin_target
+from reference import MARGINS, aimed_at_targets, margin_target
 
 
 def float64_statistics(e_n, rows, targets, valid, first, owned, margin):
@@ -38,10 +38,12 @@ def test_both_forms_give_the_tiles_float64_statistics(margin, dtype, rng, monkey
     valid = jnp.asarray(np.arange(t) < real)  # the last rows may be padding classes, which are no label
     first, owned = int(rng.integers(0, 1000)), 0
     owned = first + int(rng.integers(0, t // 2))  # the first columns belong to the previous tile
-    e = rng.normal(size=(n, d))
-    e_n = jnp.asarray(e / np.linalg.norm(e, axis=1, keepdims=True), dtype)
     column = rng.integers(0, real + 20, n)  # a real class of the tile, or one of the next tile's
     targets = np.where(rng.random(n) < 0.7, first + np.where(column < real, column, column + t - real), -1)
+    rel = np.where((targets >= first) & (targets < first + real), targets - first, -1)
+    # a few targets' cosines near -1 (past the margins' threshold angles) and +1
+    e_n = jnp.asarray(aimed_at_targets(rng.normal(size=(n, d)), np.asarray(weight[index], np.float64), rel, rng),
+                      dtype)
     targets = jnp.asarray(targets, jnp.int32)
     want = float64_statistics(e_n, weight[index], targets, valid, first, owned, margin)
     for form in ("xla", "pallas_interpret"):
