@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import functools
 import json
+import numbers
 import os
 
 import ml_collections
@@ -41,7 +42,8 @@ def base_config() -> ml_collections.ConfigDict:
         kind="procedural", root="", input_size=32, workers=0, threads=2, flip=True,
         # threads: host batches decoded at once, in this process or in each of `workers` processes (docs/training.md)
         bad_records="error",  # error | skip: a record that cannot be read or decoded stops the run, or is
-        # replaced by the next good one and listed in <workdir>/bad_records.txt
+        # replaced by the next good one and listed in <workdir>/bad_records.txt (bad_records.<process>.txt by each
+        # process of several)
         procedural=dict(num_classes=1000, images_per_class=16, size=32, strokes=5),
         # per image, before the flip: a probability per op (0: off) and its strength (jaxcls.data.augment.Augment)
         augment={f.name: f.default for f in dataclasses.fields(Augment)},
@@ -155,7 +157,8 @@ RANGES = [(key, rule, words) for keys, rule, words in [
     (("lr",), lambda v: v > 0, "> 0"),
     (("momentum",), lambda v: 0 <= v < 1, "in [0, 1)"),
     (("weight_decay", "clip_grad_norm", "warmup_steps", "chunk_size", "data.workers"), lambda v: v >= 0, ">= 0"),
-    (("margin.m",), lambda v: all(type(m) in (int, float) and m >= 0 for m in (v if isinstance(v, tuple) else (v,))),
+    (("margin.m",), lambda v: all(isinstance(m, numbers.Real) and not isinstance(m, bool) and m >= 0
+                                  for m in (v if isinstance(v, (tuple, list)) else (v,))),
      ">= 0"),  # one number, or (m1, m2, m3) for 'combined'; typed object, so a string could come from the command line
     (("lr_power",), lambda v: v >= 0, ">= 0"),
     (("margin.s",), lambda v: v > 0, "> 0"),
@@ -261,7 +264,7 @@ def validate(config, num_devices: int) -> None:
 def make_margin(margin_config) -> CombinedMargin:
     """``config.margin`` (name, s, m, straight_through) → a ``CombinedMargin``; for ``name="combined"`` ``m`` is
     ``(m1, m2, m3)``, arcface_torch's ``margin_list``."""
-    if margin_config.name != "combined" and isinstance(margin_config.m, tuple):
+    if margin_config.name != "combined" and isinstance(margin_config.m, (tuple, list)):
         raise ValueError(f"margin {margin_config.name!r} takes one number m, got {margin_config.m!r}; "
                          "(m1, m2, m3) is margin 'combined'")
     return MARGINS[margin_config.name](s=margin_config.s, m=margin_config.m,

@@ -59,10 +59,10 @@ def train(config, workdir: str | os.PathLike, devices=None, progress: bool = Tru
             log.warning("removed %d unfinished checkpoint save(s) of an earlier process: %s", len(removed),
                         ", ".join(removed))
     try:
-        with StopRequests() as stop:
-            checkpoints = RunCheckpoints(workdir / "checkpoints", config.keep_checkpoints)
-            resuming = check_resumable(config, workdir, checkpoints)
-            run = build(config, devices)  # opens the training data (a headerless .rec: every record's label read)
+        checkpoints = RunCheckpoints(workdir / "checkpoints", config.keep_checkpoints)
+        resuming = check_resumable(config, workdir, checkpoints)
+        run = build(config, devices)  # opens the training data (a headerless .rec: every record's label read), which
+        with StopRequests() as stop:  # a Ctrl-C still interrupts
             stop.starting_after(checkpoints.latest_step() or 0)
             return _train(run, workdir, checkpoints, stop, resuming, progress, stop_after, init_from, init_fc)
     finally:

@@ -50,6 +50,7 @@ def test_jax_keeps_an_empty_device_list_under_slurm(monkeypatch):
         monkeypatch.setenv(key, value)
     detect = clusters.ClusterEnv.auto_detect_unset_distributed_params
     assert detect(None, None, None, None, None, 1)[3] == [0]
+    assert detect(None, None, None, [], None, 1)[1:] == (4, 2, [])  # initialize's call: all detected but the devices
     assert detect("host0:1234", 4, 2, [], None, 1) == ("host0:1234", 4, 2, [])
 
 

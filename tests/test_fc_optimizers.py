@@ -83,10 +83,6 @@ def test_adamw_keeps_its_state_in_float32_only():
         with pytest.raises(ValueError, match=f"adamw cannot keep its FC state in {jnp.dtype(dtype).name}"):
             adamw().init(jnp.zeros((4, 2), dtype))  # the weight's, by default
     adamw(state_dtype=jnp.float32).init(jnp.zeros((4, 2), jnp.bfloat16))
-    nu = jnp.zeros((), jnp.bfloat16)  # why: the second moment's own update, stored as bfloat16, from ν = 0 and g = 1
-    for _ in range(3000):
-        nu = (0.999 * nu.astype(jnp.float32) + 0.001).astype(jnp.bfloat16)
-    assert float(nu) < 0.3  # float32: 1 − 0.999³⁰⁰⁰ = 0.95
 
 
 def test_sgd_keeps_its_momentum_in_a_floating_dtype_or_int8():

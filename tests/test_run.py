@@ -117,6 +117,15 @@ def test_combined_margin_from_the_command_line_is_arcface_torchs_margin_list(mon
     assert "combined s=16 m=(1.1, 0.25, 0.15)" in "\n".join(run.summary())
 
 
+def test_a_margins_m_may_be_a_list_or_a_numpy_number():
+    """As a Python config file or JSON may give them."""
+    c = tiny_config(margin=dict(name="combined", s=64.0, m=[1.0, 0.3, 0.2], straight_through=False))
+    validate(c, num_devices=1)
+    assert make_margin(c.margin) == CombinedMargin(s=64.0, m1=1.0, m2=0.3, m3=0.2)
+    c.margin.update(name="arcface", m=np.float64(0.3))
+    validate(c, num_devices=1)
+
+
 @pytest.mark.parametrize("name,m,message", [
     ("combined", 0.5, r"margin 'combined' takes m = \(m1, m2, m3\), as arcface_torch's margin_list; got 0.5"),
     ("combined", (1.0, 0.5), r"takes m = \(m1, m2, m3\).*got \(1.0, 0.5\)"),

@@ -50,6 +50,8 @@ def evaluate(workdir: Path) -> dict:
         config.eval_bins = tuple(str(Path(b).absolute()) for b in FLAGS.bin)  # from here, not the run's data root
     # the training batch and mesh play no part here: evaluated on whatever devices this machine has, all data parallel
     config.mesh_data, config.batch_size = 1, jax.device_count() * config.accum_steps
+    # nor does the FC's optimizer state, left on disk: a state jaxcls no longer trains with (adamw's in bfloat16)
+    config.fc_state_dtype = "float32"
     run = build(config, with_data=False)
     evaluator = Evaluator(run)  # its sets read (or refused) before the checkpoint is
     checkpoints = RunCheckpoints(workdir / "checkpoints", config.keep_checkpoints)

@@ -245,8 +245,9 @@ def adamw(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: f
 def _check_adamw_state(dtype) -> None:
     if jnp.dtype(dtype) != jnp.float32:
         raise ValueError(f"adamw cannot keep its FC state in {jnp.dtype(dtype).name} (its second moment rounds to 0 "
-                         "or stops following the gradients there: use float32, fc_state_dtype=float32 in a config); "
-                         "16-bit and one-byte states are for sgd's momentum")
+                         "or stops following the gradients there: use float32, fc_state_dtype=float32 in a config; a "
+                         "run saved with one evaluates as it is, and goes on in a new workdir with --init_from "
+                         "WORKDIR --init_fc); 16-bit and one-byte states are for sgd's momentum")
 
 
 def _check_sgd_state(dtype) -> None:

@@ -9,11 +9,11 @@ helpers (``weight_sharding``, ``padded_num_classes``, ``class_shards``) live in 
 """
 
 from jaxcls.losses.cross_entropy import class_parallel_cross_entropy, masked_fill_value
-from jaxcls.losses.margins import MARGINS, CombinedMargin, am_softmax, arcface, cosface, sphereface
+from jaxcls.losses.margins import MARGINS, CombinedMargin, am_softmax, arcface, combined, cosface, sphereface
 from jaxcls.losses.sharded import init_weight, sharded_margin_loss
 from jaxcls.losses.tiles import l2_normalize, validate_labels
 
 __all__ = [
-    "MARGINS", "CombinedMargin", "am_softmax", "arcface", "class_parallel_cross_entropy", "cosface", "init_weight",
-    "l2_normalize", "masked_fill_value", "sharded_margin_loss", "sphereface", "validate_labels",
+    "MARGINS", "CombinedMargin", "am_softmax", "arcface", "class_parallel_cross_entropy", "combined", "cosface",
+    "init_weight", "l2_normalize", "masked_fill_value", "sharded_margin_loss", "sphereface", "validate_labels",
 ]

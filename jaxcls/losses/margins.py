@@ -124,7 +124,7 @@ def sphereface(s: float = 64.0, m: float = 1.35, straight_through: bool = False)
 
 def combined(s: float = 64.0, m: tuple = (1.0, 0.5, 0.0), straight_through: bool = False) -> CombinedMargin:
     """``s · (cos(m1·θ + m2) − m3)`` from ``m = (m1, m2, m3)``, arcface_torch's ``margin_list``."""
-    if isinstance(m, (str, bytes)) or not hasattr(m, "__len__") or len(m) != 3:
+    if not isinstance(m, (tuple, list)) or len(m) != 3:
         raise ValueError(f"margin 'combined' takes m = (m1, m2, m3), as arcface_torch's margin_list; got {m!r}")
     m1, m2, m3 = (float(value) for value in m)
     return CombinedMargin(s=s, m1=m1, m2=m2, m3=m3, straight_through=straight_through)
