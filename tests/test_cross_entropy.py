@@ -39,9 +39,10 @@ def test_inner_op_matches_log_softmax(axis, dtype, rng):
         ref_fn = lambda x: -jnp.take_along_axis(jax.nn.log_softmax(x), labels[:, None], 1)[:, 0]
         ref_losses, ref_pullback = jax.vjp(jax.jit(ref_fn), exact)
         (ref_grad,) = ref_pullback(g_out.astype(np.float64))
-    tol = 1e-6 if dtype == jnp.float32 else 1e-2
-    assert rel_err(losses, ref_losses) < tol
-    assert rel_err(grad.astype(jnp.float32), ref_grad) < tol
+    # the reference takes the same rounded logits: the statistics are float32 whatever their dtype, and only the
+    # gradient's own rounding to the logits' dtype is left (bfloat16: 2⁻⁹ relative)
+    assert rel_err(losses, ref_losses) < 1e-6
+    assert rel_err(grad.astype(jnp.float32), ref_grad) < (1e-6 if dtype == jnp.float32 else 2**-8)
 
 
 def test_inner_op_backward_adds_no_communication():

@@ -82,6 +82,18 @@ def test_metrics_and_collapse_warning(run_and_state, caplog):
                                                           "tar@far=1e-02")}  # 300 impostor pairs: FAR ≥ 1/300
     assert 0.0 <= results["val/heldout/accuracy"] <= 1.0 and results["val/heldout/xnorm"] > 0
     assert "embedding collapse on heldout" in caplog.text
+    # the warning follows the set's mean cosine: none with the threshold just above it
+    evaluator = Evaluator(build(tiny_config(collapse_warning=0.0)))
+    embeddings = evaluator.embeddings(state)
+    evaluator.config.collapse_warning = results["val/heldout/mean_cosine"] + 1e-6
+    caplog.clear()
+    with jaxcls_records(caplog):
+        evaluator.metrics(embeddings)
+    assert "embedding collapse" not in caplog.text
+    evaluator.config.collapse_warning = results["val/heldout/mean_cosine"] - 1e-6
+    with jaxcls_records(caplog):
+        evaluator.metrics(embeddings)
+    assert "embedding collapse on heldout" in caplog.text
 
 
 def test_non_finite_embeddings_are_warned_of_and_their_set_is_nan(run_and_state, caplog):

@@ -43,8 +43,10 @@ def test_sparse_update_equals_optax_on_sampled_rows_and_leaves_others(mesh_shape
     labels, sample, rows = draw(rng, mesh, c, n, 0.2)
     weight = init_weight(jax.random.key(int(rng.integers(2**31))), c, d, mesh, stddev=1.0)
     state = opt.init(weight)
-    random_like = lambda x: jax.device_put(rng.normal(size=x.shape).astype(np.float32) ** 2, x.sharding)
-    state = SparseState(tuple(random_like(s) for s in state.slots), jnp.int32(int(rng.integers(0, 50))))
+    random_like = lambda x, power=1: jax.device_put(rng.normal(size=x.shape).astype(np.float32) ** power, x.sharding)
+    # signed draws; AdamW's second moment (its slot 1) is a square
+    state = SparseState(tuple(random_like(s, 1 + (i == 1)) for i, s in enumerate(state.slots)),
+                        jnp.int32(int(rng.integers(0, 50))))
     grads = random_like(gather_rows(weight, sample, mesh=mesh))
     lr = float(rng.uniform(0.01, 0.5))
     step = jax.jit(partial(opt.update, mesh=mesh), donate_argnums=())

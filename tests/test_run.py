@@ -97,9 +97,10 @@ def test_summary_names_the_resolved_run(run_and_state):
 def test_margin_from_config_honours_every_field(name, straight_through):
     m = (1.2, 0.3, 0.1) if name == "combined" else 0.3
     c = tiny_config(margin=dict(name=name, s=32.0, m=m, straight_through=straight_through))
-    margin = make_margin(c.margin)
-    assert margin == MARGINS[name](s=32.0, m=m, straight_through=straight_through)
-    assert margin.straight_through is straight_through and margin.s == 32.0
+    where_m_goes = {"arcface": dict(m2=0.3), "cosface": dict(m3=0.3), "am_softmax": dict(m3=0.3),
+                    "sphereface": dict(m1=0.3), "combined": dict(m1=1.2, m2=0.3, m3=0.1)}
+    assert set(where_m_goes) == set(MARGINS)
+    assert make_margin(c.margin) == CombinedMargin(s=32.0, straight_through=straight_through, **where_m_goes[name])
 
 
 def test_combined_margin_from_the_command_line_is_arcface_torchs_margin_list(monkeypatch):

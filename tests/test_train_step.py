@@ -29,15 +29,17 @@ def batch(rng, n):
 def test_gradient_accumulation_divides_the_loss():
     """Two identical micro-batches accumulated == one step on that micro-batch (arcface_torch #2258)."""
     run1 = build(tiny_config(batch_size=16))
-    state = run1.init_state()
+    state = past_warmup(run1.init_state())  # at step 0 the lr is 0 and nothing moves
     run2 = build(tiny_config(batch_size=32, accum_steps=2))
     images, labels = batch(np.random.default_rng(0), 16)
     one, m1 = jax.jit(run1.train_step)(state, images, labels)
     # example i of the doubled batch sits at 2i and 2i+1, so both micro-batches (x[0::2], x[1::2]) equal x
     two, m2 = jax.jit(run2.train_step)(state, np.repeat(images, 2, 0), np.repeat(labels, 2, 0))
     np.testing.assert_allclose(m1["loss"], m2["loss"], rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(one["params"]), jax.tree.leaves(two["params"])):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert all(np.any(a != b) for a, b in zip(jax.tree.leaves(one["params"]), jax.tree.leaves(state["params"])))
+    for k in ("params", "weight", "fc_opt"):  # the backbone's step, the FC rows and their momentum
+        for a, b in zip(jax.tree.leaves(one[k]), jax.tree.leaves(two[k])):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=k)
 
 
 def test_float16_overflow_skips_backbone_and_fc_updates_and_halves_the_scale():

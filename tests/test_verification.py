@@ -28,6 +28,59 @@ def test_hand_computed_case():
     np.testing.assert_array_equal(accs, [0.5] + [1.0] * 9)
 
 
+def insightface_protocol(embeddings1, embeddings2, issame, folds=10):
+    """insightface's ``calculate_roc`` as it reads, from normalized pair embeddings: squared distances, KFold
+    without shuffling (the first ``n % folds`` folds one pair larger), each fold's threshold the first best of
+    ``arange(0, 4, 0.01)`` on the other folds by (TP + TN) / n; the mean accuracy and the mean threshold."""
+    diff = embeddings1 - embeddings2
+    dist = np.sum(np.square(diff), 1)
+    n, thresholds = len(dist), np.arange(0, 4, 0.01)
+    sizes = [n // folds + (k < n % folds) for k in range(folds)]
+    starts = np.cumsum([0] + sizes)
+    accuracies, best = [], []
+
+    def accuracy(t, idx):
+        predict = np.less(dist[idx], t)
+        tp = np.sum(np.logical_and(predict, issame[idx]))
+        tn = np.sum(np.logical_and(np.logical_not(predict), np.logical_not(issame[idx])))
+        return float(tp + tn) / dist[idx].size
+
+    for k in range(folds):
+        test_set = np.arange(starts[k], starts[k + 1])
+        train_set = np.setdiff1d(np.arange(n), test_set)
+        scores = np.zeros(len(thresholds))
+        for i, t in enumerate(thresholds):
+            scores[i] = accuracy(t, train_set)
+        best.append(thresholds[np.argmax(scores)])
+        accuracies.append(accuracy(best[-1], test_set))
+    return np.mean(accuracies), np.mean(best)
+
+
+def test_accuracy_and_threshold_are_insightfaces_on_random_pairs(rng):
+    """Pairs of every kind of closeness (same pairs a noisy copy, different ones random), an odd count so the folds
+    differ in size: the accuracy and the best threshold are the protocol's, which a distance other than the squared
+    one (its root, or 1 − cos) or another fold split would move."""
+    pairs, d = int(rng.integers(301, 400)) | 1, 16
+    first = rng.normal(size=(pairs, d))
+    issame = rng.random(pairs) < 0.5
+    second = np.where(issame[:, None], first + rng.uniform(0.3, 1.5, (pairs, 1)) * rng.normal(size=(pairs, d)),
+                      rng.normal(size=(pairs, d)))
+    views = np.stack([first, second], 1).reshape(1, 2 * pairs, d) * rng.uniform(1, 20, size=(1, 2 * pairs, 1))
+    out = evaluate(views, issame)
+    unit = lambda x: x / np.linalg.norm(x, axis=1, keepdims=True)
+    accuracy, threshold = insightface_protocol(unit(first), unit(second), issame)
+    assert 0.6 < accuracy < 0.99  # neither trivial nor perfect: the threshold matters
+    assert out["accuracy"] == pytest.approx(accuracy, abs=1e-12)
+    assert out["best_threshold"] == pytest.approx(threshold, abs=1e-9)
+
+
+def test_mean_cosine_is_the_squared_norm_of_the_mean_direction():
+    """1 when every embedding points one way (collapse), 1/D for D orthonormal directions."""
+    d, issame = 8, np.array([True, False] * 10)  # 20 pairs: two a fold
+    assert evaluate(np.tile([[3.0] + [0.0] * (d - 1)], (40, 1))[None], issame)["mean_cosine"] == pytest.approx(1.0)
+    assert evaluate(np.tile(np.eye(d) * 5.0, (5, 1))[None], issame)["mean_cosine"] == pytest.approx(1 / d)
+
+
 def test_evaluate_on_embeddings():
     e = np.array([[1, 0], [1, 0], [1, 0], [0, 1]] * 10, float)  # same pair, different pair, ...
     issame = np.array([True, False] * 10)
