@@ -28,6 +28,7 @@ from jaxcls.eval.evaluator import Evaluator
 from jaxcls.interrupts import Preempted, StopRequests
 from jaxcls.losses import validate_labels
 from jaxcls.mesh import batch_sharding
+from jaxcls.plan import gpu_target
 from jaxcls.plan.memory import apply_mem_fraction, check_fits, step_memory
 from jaxcls.precision import all_finite
 from jaxcls.reporting import MetricsWriter, Progress, configure_logging, log, run_cli
@@ -127,8 +128,11 @@ def compile_fitting_step(run):
     the devices' memory stops the run here (``memory.DoesNotFit``, with the plan) rather than in an out-of-memory
     error later; logs the step's share of the device memory where the backend reports one."""
     step_fn = run.compile_step(run.abstract_state)
+    device = jax.local_devices()[0]
+    target = gpu_target.target_of(device.device_kind) or f"<a GPU target like {device.device_kind}>"
     use = check_fits(step_memory(run, step_fn), jax.local_devices(),
-                     advice=f"; python -m jaxcls.plan --config <this config> --devices {run.mesh.size} plans it")
+                     advice=f"; python -m jaxcls.plan --config <this config> --target {target} --devices "
+                            f"{run.mesh.size} plans it for this GPU")
     if use:
         log.info("%s", use)
     return step_fn

@@ -97,6 +97,33 @@ def test_max_classes_stops_at_the_largest_count_int32_labels_take():
         validate(config, num_devices=8)
 
 
+def test_max_classes_steps_down_until_a_count_fits_and_says_when_none_does():
+    """Off the fit's line (temporaries that grow faster beyond the probes), the solved count is stepped down by whole
+    rows per device until its compile fits, however small the excess (it was cut to whole classes first, so an
+    excess under one class's bytes left the count as it was, over the limit); where not even the fixed part fits,
+    ``DoesNotFit`` after the two probes, not a num_classes of 0 or less."""
+    shards, asked = 8, []
+
+    def fake(classes, a=10_000, b=3.0, bump=40_000):  # 3 B a class; past 2^22 rows per device, 40 kB more
+        asked.append(classes)
+        return memory.StepMemory({"FC weight": a + b * classes + (bump if classes > shards * 2**22 else 0)}, "cpu")
+
+    limit = 10_000 + 3 * shards * 2**24
+    fit = max_classes_that_fit(fake, limit, shards)
+    assert fit.memory.total <= limit and fit.classes % shards == 0 and len(asked) == 4
+    assert fake(fit.classes + shards).total > limit  # the largest: a row more per device does not fit
+    small = lambda classes: fake(classes, bump=1)  # 1 B over the line: less than one class
+    fit = max_classes_that_fit(small, limit, shards)
+    assert fit.memory.total <= limit and small(fit.classes + shards).total > limit
+    asked.clear()
+    with pytest.raises(memory.DoesNotFit, match=r"not even 8 classes \(one FC row per device\) fit"):
+        max_classes_that_fit(fake, limit=9_000, shards=shards)
+    assert len(asked) == 2  # the probes alone
+    asked.clear()
+    max_classes_that_fit(fake, limit=2**40, shards=2**12)  # many shards: the probes stay within int32 labels
+    assert max(asked[:2]) <= MAX_CLASSES
+
+
 def test_check_fits_raises_with_the_plan_where_the_device_reports_a_limit(monkeypatch):
     used = memory.StepMemory({part: 2**20 for part in memory.PARTS}, "cpu")
     assert check_fits(used, jax.devices()) is None  # a CPU reports no limit: nothing to check

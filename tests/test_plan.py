@@ -68,6 +68,7 @@ def test_cpu_caveats_name_16_bit_compute_and_not_a_16_bit_fc_state_which_xla_cpu
     (["--devices", "2", "--device-memory", "1MiB"], 0, "verdict: does not fit"),
     (["--device-memory", "lots"], 1, "error: cannot read 'lots' as a size"),
     (["--devices", "3"], 1, "error: batch_size 32 is not divisible by 3 devices"),
+    (["--json", "/nowhere/plan.json"], 1, "error: --json /nowhere/plan.json: its folder does not exist"),
 ])
 def test_command_line(args, status, expected):
     proc = subprocess.run([sys.executable, "-m", "jaxcls.plan", "--config", "tests/tiny.py", *args],
@@ -100,3 +101,11 @@ ptxas info    : Used 72 registers, used 1 barriers
     assert ptx.triton_launches(hlo) == {"rows_stats": {"grid": (2, 2048, 1), "warps": 4, "stages": 3}}
     # 72 registers: 2,304 a warp, 28 warps an SM, 7 programs of 4; 255 → 256: 8,192 a warp, 8 warps, 2 programs
     assert [ptx.programs_per_sm(r, w) for r, w in [(72, 4), (255, 4), (202, 8), (16, 1)]] == [7, 2, 1, 32]
+
+
+def test_a_gpus_device_kind_names_its_target_for_the_trainers_advice():
+    from jaxcls.plan.gpu_target import target_of
+
+    kinds = {"NVIDIA H100 80GB HBM3": "h100", "NVIDIA H200": "h200", "NVIDIA A100-SXM4-80GB": "a100-80gb",
+             "NVIDIA A100-SXM4-40GB": None, "cpu": None}
+    assert {kind: target_of(kind) for kind in kinds} == kinds

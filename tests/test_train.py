@@ -266,6 +266,7 @@ def test_a_step_too_big_for_the_device_stops_before_any_state_with_the_plan(tmp_
     assert re.match(r"error: the train step needs [\d.]+ MiB per device, more than the 1.00 MiB XLA may allocate on "
                     r"cpu \(--verbosity=1", lines[0]), proc.stderr
     assert any(l.strip().startswith("FC weight") for l in lines) and "python -m jaxcls.plan" in lines[-1]
+    assert "--target <a GPU target like cpu> --devices 8 plans it for this GPU" in lines[-1]
     assert "Traceback" not in proc.stderr and not any((tmp_path / "checkpoints").iterdir())
     assert not (tmp_path / "config.json").exists()  # stopped before the run started
 

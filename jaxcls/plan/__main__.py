@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 from absl import flags
 
@@ -24,6 +25,8 @@ def main(argv):
     device_memory = (parse_bytes(f["device-memory"].value) if f["device-memory"].value
                      else gpu_target.device_memory(target) if target != "cpu" else parse_bytes("80GiB"))
     configure_logging(verbose=f["verbosity"].present)
+    if f["json"].value and not os.path.isdir(os.path.dirname(os.path.abspath(f["json"].value))):
+        raise ValueError(f"--json {f['json'].value}: its folder does not exist")  # before minutes of compiling
     result = plan(f.config, target_devices(target, count), device_memory, f["max-classes"].value, target)
     print("\n".join(result.lines()))
     if f["json"].value:

@@ -42,6 +42,12 @@ GPUS_PER_HOST = 8
 REPORTED_MEMORY = {"h200": 143_771 * 2**20}
 
 
+def target_of(device_kind: str) -> str | None:
+    """The target (``TARGETS``) a device's ``device_kind`` names, e.g. ``"NVIDIA H100 80GB HBM3"`` → ``"h100"``."""
+    kind = device_kind.lower().replace(" ", "")
+    return next((t for t in TARGETS if all(part in kind for part in t.split("-"))), None)
+
+
 class MissingPlugin(RuntimeError):
     """The CUDA plugin that compiles for GPUs is not installed (the message is the command that installs it)."""
 

@@ -48,8 +48,11 @@ class Collective(NamedTuple):
     count: int = 1
 
 
+_INDEX_COMMENT = re.compile(r"/\*index=\d+\*/")  # XLA marks every fifth element of a long tuple shape
+
+
 def computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
-    """``({name: instruction lines}, entry name)``."""
+    """``({name: instruction lines}, entry name)``; the lines without XLA's ``/*index=N*/`` marks in tuples."""
     bodies, entry, current = {}, None, None
     for line in hlo_text.splitlines():
         if current is None:
@@ -60,7 +63,7 @@ def computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
         elif line.strip() == "}":
             current = None
         else:
-            bodies[current].append(line)
+            bodies[current].append(_INDEX_COMMENT.sub("", line))
     return bodies, entry
 
 

@@ -181,13 +181,19 @@ def probe_rows(chunk_size: int, sample_rate: float) -> int:
 def max_classes_that_fit(memory_at, limit: int, shards: int, rows: int = 2**20) -> ClassFit:
     """The largest ``num_classes`` (a multiple of ``shards``) whose step fits in ``limit`` bytes per device, and
     its memory: solved from ``fit_classes`` at ``rows`` and ``2 · rows`` FC rows per device (enough that PartialFC
-    samples full tiles, so every part that grows with C is a per-row array), confirmed by a third compile and
-    stepped down once by the measured excess if that does not fit."""
-    a, b = fit_classes(memory_at, (shards * rows, shards * 2 * rows))
+    samples full tiles, so every part that grows with C is a per-row array; never past ``MAX_CLASSES``), confirmed
+    by a third compile and, where that lands over the line, stepped down by the excess (whole rows per device, at
+    least one) until one fits. ``DoesNotFit`` where not even one row per device does."""
     cap = MAX_CLASSES // shards * shards
-    classes = min(max(int((limit - a) / b) // shards * shards, shards), cap)
-    memory = memory_at(classes)
-    if memory.total > limit:
-        classes -= -(-int((memory.total - limit) / b) // shards) * shards
-        memory = memory_at(classes)
+    rows = min(rows, cap // (2 * shards))
+    a, b = fit_classes(memory_at, (shards * rows, shards * 2 * rows))
+    classes = min(int((limit - a) / b) // shards * shards, cap)
+    memory = memory_at(classes) if classes >= shards else None  # else not even the fit's fixed part fits
+    while memory is not None and memory.total > limit:
+        classes -= max(1, math.ceil((memory.total - limit) / (b * shards))) * shards
+        memory = memory_at(classes) if classes >= shards else None
+    if memory is None:
+        raise DoesNotFit(f"not even {shards} classes (one FC row per device) fit in the {format_bytes(limit)} XLA may "
+                         f"allocate: the step takes {format_bytes(a)} per device besides its FC rows",
+                         ["lower batch_size, set remat=full or a 16-bit precision, or add devices"])
     return ClassFit(classes, memory, a, b, capped=classes == cap)
