@@ -206,3 +206,26 @@ def test_moved_bytes_add_up_per_kind_and_source_line_with_gradients_marked():
              Kernel("GEMM", "c", "bf16", 8, 2, moved_bytes=10,
                     origin="jit(f)/transpose(jvp())/dot_general (tiles.py:9)")]
     assert moved_by_origin(found) == {"fusion: mul (tiles.py:9)": 350, "GEMM: backward dot_general (tiles.py:9)": 20}
+
+
+SIX = ", ".join(["f32[8]{0}"] * 5) + ", /*index=5*/f32[8]{0}"
+SIX_OUTPUTS = f"""
+%fused_six (p0: f32[8]) -> ({SIX}) {{
+  %p0 = f32[8]{{0}} parameter(0)
+  %n = f32[8]{{0}} negate(%p0)
+  ROOT %t = ({SIX}) tuple(%n, %n, %n, %n, %n, /*index=5*/%n)
+}}
+
+ENTRY %main (a: f32[8]) -> f32[8] {{
+  %a = f32[8]{{0}} parameter(0)
+  %f = ({SIX}) fusion(%a), kind=kLoop, calls=%fused_six
+  ROOT %g = f32[8]{{0}} get-tuple-element(%f), index=5
+}}
+"""
+
+
+def test_an_instruction_with_six_or_more_results_is_counted():
+    """XLA writes ``/*index=5*/`` into tuple shapes of six or more elements (a horizontal fusion of the optimizer's
+    updates, a combined all-reduce): such an instruction was not recognized, its kernel and bytes lost."""
+    (fused,) = kernels(SIX_OUTPUTS)
+    assert fused.kind == "fusion" and len(fused.results) == 6 and fused.moved_bytes == 32 + 6 * 32, fused
