@@ -31,6 +31,23 @@ def test_xla_gpus_mesh_form_of_replica_groups():
         collectives(line.replace("mesh[", "grid[").replace("AXES", "'b'"))
 
 
+def test_an_asynchronous_collective_counts_its_results_not_its_operands():
+    """XLA:GPU's ``-start`` halves carry their operands in their shapes (as in XLA's own tests): an all-gather's
+    ``(operand, result)``, a reduce-scatter's ``((operands), result)``, a collective-permute's ``(operand, result,
+    u32[], u32[])``; an all-reduce-start's shape is its result alone."""
+    text = """
+  %ag = (f32[16,32]{1,0}, f32[64,32]{1,0}) all-gather-start(f32[16,32]{1,0} %x), replica_groups={{0,1,2,3}}, dimensions={0}
+  %rs = ((f32[64]{0}), f32[16]{0}) reduce-scatter-start(f32[64]{0} %c), replica_groups={{0,1,2,3}}, dimensions={0}
+  %cp = (s32[5]{0}, s32[5]{0}, u32[], u32[]) collective-permute-start(s32[5]{0} %d), source_target_pairs={{0,1}}
+  %ar = (f32[10]{0}, bf16[6]{0}) all-reduce-start(f32[10]{0} %a, bf16[6]{0} %b), replica_groups={{0,1}}
+"""
+    ag, rs, cp, ar = collectives(text)
+    assert (ag.op, ag.largest, ag.result_bytes) == ("all-gather", 64 * 32, 64 * 32 * 4)
+    assert (rs.op, rs.largest, rs.result_bytes) == ("reduce-scatter", 16, 16 * 4)
+    assert (cp.op, cp.result_bytes, cp.pairs) == ("collective-permute", 20, ((0, 1),))
+    assert (ar.op, ar.result_bytes) == ("all-reduce", 10 * 4 + 6 * 2)
+
+
 def test_parses_ops_sizes_and_both_group_syntaxes():
     ag, ar, rs, cp = collectives(HLO)
     assert ag == Collective("all-gather", 64 * 32, 64 * 32 * 4, ((0, 1, 2, 3), (4, 5, 6, 7)))

@@ -20,7 +20,7 @@ COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "reduce-scatter", "coll
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
                "s64": 8, "u64": 8, "f64": 8}
 _SHAPE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([0-9,]*)\]")
-_OP = re.compile(r"=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+_OP = re.compile(r"=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
 _EXPLICIT_GROUPS = re.compile(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{[0-9,]*\},?)*)\}")
@@ -142,6 +142,29 @@ def arrays(shape: str) -> list[tuple[str, int]]:
     return [(dtype, math.prod(int(d) for d in dims.split(",") if d)) for dtype, dims in _SHAPE.findall(shape)]
 
 
+def top_level(shape: str) -> list[str]:
+    """The elements of a tuple shape ``(a, (b, c), d)`` → ``["a", "(b, c)", "d"]``; an array's shape alone."""
+    shape = shape.strip()
+    if not shape.startswith("("):
+        return [shape]
+    elements, depth, start = [], 0, 1
+    for i, char in enumerate(shape):  # dimensions [a,b] and layouts {1,0} nest as tuples do
+        depth += (char in "([{") - (char in ")]}")
+        if (char == "," and depth == 1) or (char == ")" and depth == 0):
+            elements.append(shape[start:i].strip())
+            start = i + 1
+    return elements
+
+
+def _results(op_shape: str, asynchronous: bool, op: str) -> str:
+    """The results of a collective from its shape: an asynchronous start's shape also holds its operands first
+    (``all-gather-start``: ``(operand, result)``, ``reduce-scatter-start``: ``((operands), result)``,
+    ``collective-permute-start``: ``(operand, result, u32[], u32[])``), except ``all-reduce-start``'s."""
+    if not asynchronous or op == "all-reduce" or not op_shape.strip().startswith("("):
+        return op_shape
+    return ", ".join(e for e in top_level(op_shape)[1:] if e.split("{")[0] != "u32[]")
+
+
 def collectives(hlo_text: str) -> list[Collective]:
     """Every collective instruction of a compiled program's HLO text, in program order."""
     bodies, entry = computations(hlo_text)
@@ -152,7 +175,7 @@ def collectives(hlo_text: str) -> list[Collective]:
             match = _OP.search(line)
             if not match:
                 continue
-            shapes = arrays(match.group(1))
+            shapes = arrays(_results(match.group(1), match.group(3) is not None, match.group(2)))
             pairs = _PAIRS.search(line)
             found.append(Collective(op=match.group(2), largest=max((n for _, n in shapes), default=1),
                                     result_bytes=sum(n * DTYPE_BYTES[dtype] for dtype, n in shapes),
