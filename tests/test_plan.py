@@ -101,6 +101,8 @@ ptxas info    : Used 72 registers, used 1 barriers
     assert ptx.triton_launches(hlo) == {"rows_stats": {"grid": (2, 2048, 1), "warps": 4, "stages": 3}}
     # 72 registers: 2,304 a warp, 28 warps an SM, 7 programs of 4; 255 → 256: 8,192 a warp, 8 warps, 2 programs
     assert [ptx.programs_per_sm(r, w) for r, w in [(72, 4), (255, 4), (202, 8), (16, 1)]] == [7, 2, 1, 32]
+    # 192 registers: two warps in each quarter of the register file, 8 in all (a whole-file count gave 10)
+    assert [ptx.programs_per_sm(192, w) for w in (1, 2)] == [8, 4]
 
 
 def test_a_gpus_device_kind_names_its_target_for_the_trainers_advice():

@@ -74,9 +74,11 @@ def parse_ptxas_report(report: str) -> dict[str, dict]:
 
 
 def programs_per_sm(registers_per_thread: int, warps: int) -> int:
-    """How many programs of ``warps`` warps an SM holds at once, as their registers allow."""
+    """How many programs of ``warps`` warps an SM holds at once, as their registers allow: the register file is four
+    quarters, each holding whole warps (CUDA's occupancy calculator), so 1- and 2-warp programs may fit fewer."""
     per_warp = -(-32 * max(registers_per_thread, 1) // REGISTER_UNIT) * REGISTER_UNIT
-    return min(REGISTERS_PER_SM // per_warp // warps, MAX_WARPS_PER_SM // warps, MAX_PROGRAMS_PER_SM)
+    warps_by_registers = 4 * (REGISTERS_PER_SM // 4 // per_warp)
+    return min(warps_by_registers // warps, MAX_WARPS_PER_SM // warps, MAX_PROGRAMS_PER_SM)
 
 
 def triton_resources(compile_with: Callable[[dict], object], arch: str = "sm_90a") -> dict[str, dict]:
