@@ -75,16 +75,16 @@ def test_embeddings_use_running_statistics(run_and_state):
 
 def test_metrics_and_collapse_warning(run_and_state, caplog):
     run, state = run_and_state
+    evaluator = Evaluator(build(tiny_config(collapse_warning=0.0)))  # any embedding "collapses"
+    embeddings = evaluator.embeddings(state)
     with jaxcls_records(caplog):
-        results = Evaluator(build(tiny_config(collapse_warning=0.0)))(state)  # any embedding "collapses"
+        results = evaluator.metrics(embeddings)
     assert set(results) == {f"val/heldout/{k}" for k in ("accuracy", "accuracy_std", "best_threshold", "xnorm",
                                                           "mean_cosine", "auc", "impostor_pairs", "tar@far=1e-01",
                                                           "tar@far=1e-02")}  # 300 impostor pairs: FAR ≥ 1/300
     assert 0.0 <= results["val/heldout/accuracy"] <= 1.0 and results["val/heldout/xnorm"] > 0
     assert "embedding collapse on heldout" in caplog.text
     # the warning follows the set's mean cosine: none with the threshold just above it
-    evaluator = Evaluator(build(tiny_config(collapse_warning=0.0)))
-    embeddings = evaluator.embeddings(state)
     evaluator.config.collapse_warning = results["val/heldout/mean_cosine"] + 1e-6
     caplog.clear()
     with jaxcls_records(caplog):
