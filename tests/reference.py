@@ -72,10 +72,11 @@ def adamw_step(w, slots, g, lr, count, b1=0.9, b2=0.999, eps=1e-8, weight_decay=
 
 def aimed_at_targets(e, rows, rel, rng, signs=(-1.0, -1.0, 1.0)):
     """``e`` ``[n, d]`` with its first embeddings whose target row is among ``rows`` (``rel`` ≥ 0: the row) turned to
-    ``sign ×`` that row plus a little noise, then every row normalized: target cosines near −1 (past every margin's
-    threshold angle) and near +1, which random embeddings in 32 dimensions never come near."""
+    ``sign ×`` that row plus some noise, then every row normalized: target cosines of about ±0.98 (past every
+    margin's threshold angle, and near +1), which random embeddings in 32 dimensions never come near; 0.02 from ±1,
+    where the clamp's gradient steps, so that 16-bit rounding does not take them over it."""
     e = np.array(e, np.float64)
     for k, sign in zip(np.flatnonzero(rel >= 0)[:len(signs)], signs):
         w = rows[rel[k]] / np.linalg.norm(rows[rel[k]])
-        e[k] = sign * w + 0.05 * rng.normal(size=w.shape) / np.sqrt(w.size)
+        e[k] = sign * w + 0.2 * rng.normal(size=w.shape) / np.sqrt(w.size)
     return e / np.linalg.norm(e, axis=1, keepdims=True)
