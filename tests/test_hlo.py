@@ -36,7 +36,7 @@ def test_an_asynchronous_collective_counts_its_results_not_its_operands():
     ``(operand, result)``, a reduce-scatter's ``((operands), result)``, a collective-permute's ``(operand, result,
     u32[], u32[])``; an all-reduce-start's shape is its result alone."""
     text = """
-  %ag = (f32[16,32]{1,0}, f32[64,32]{1,0}) all-gather-start(f32[16,32]{1,0} %x), replica_groups={{0,1,2,3}}, dimensions={0}
+  %ag = (f32[16,32]{1,0}, f32[64,32]{1,0}) all-gather-start(f32[16,32]{1,0} %x), replica_groups={{0,1,2,3}}, x
   %rs = ((f32[64]{0}), f32[16]{0}) reduce-scatter-start(f32[64]{0} %c), replica_groups={{0,1,2,3}}, dimensions={0}
   %cp = (s32[5]{0}, s32[5]{0}, u32[], u32[]) collective-permute-start(s32[5]{0} %d), source_target_pairs={{0,1}}
   %ar = (f32[10]{0}, bf16[6]{0}) all-reduce-start(f32[10]{0} %a, bf16[6]{0} %b), replica_groups={{0,1}}
