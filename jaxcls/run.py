@@ -103,7 +103,7 @@ class Run:
             sampling = (f"PartialFC {c.sample_rate:g}: {budget:,} of {rows:,} rows a shard"
                         + (f" ({budget / rows:.2g} in effect: never fewer than the global batch's {c.batch_size})"
                            if floor else ""))
-        margin_m = c.margin.m if isinstance(c.margin.m, tuple) else f"{c.margin.m:g}"  # 'combined': (m1, m2, m3)
+        margin_m = tuple(c.margin.m) if isinstance(c.margin.m, (tuple, list)) else f"{c.margin.m:g}"  # combined: 3
         data = "no training data opened" if self.source is None else (
             f"{len(self.source):,} images of {self.source.num_classes():,} classes")
         return [

@@ -123,6 +123,7 @@ def test_a_margins_m_may_be_a_list_or_a_numpy_number():
     c = tiny_config(margin=dict(name="combined", s=64.0, m=[1.0, 0.3, 0.2], straight_through=False))
     validate(c, num_devices=1)
     assert make_margin(c.margin) == CombinedMargin(s=64.0, m1=1.0, m2=0.3, m3=0.2)
+    assert "combined s=64 m=(1.0, 0.3, 0.2)" in "\n".join(build(c, with_data=False).summary())
     c.margin.update(name="arcface", m=np.float64(0.3))
     validate(c, num_devices=1)
 
