@@ -206,16 +206,12 @@ def sgd(momentum: float = 0.9, weight_decay: float = 5e-4, state_dtype=None,
 
     ``g ← g + wd·w;  buf ← μ·buf + g;  w ← w − lr·buf``.
     """
-    if state_dtype is not None:
-        _check_sgd_state(state_dtype)
-    check_weight_rounding(weight_rounding, None)
-
     def rule(w, slots, g, lr, count):
         g = g + weight_decay * w
         buf = momentum * slots[0] + g
         return w - lr * buf, (buf,)
 
-    return SparseOptimizer(1, rule, state_dtype, weight_rounding, _check_sgd_state)
+    return _checked(SparseOptimizer(1, rule, state_dtype, weight_rounding, _check_sgd_state))
 
 
 def adamw(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.1,
@@ -228,10 +224,6 @@ def adamw(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: f
     ``ν``, so ν never decays, and ``(1 − b2)·g²`` stops adding once it is below half a step of ν (after ~500 updates
     of a row): from ν = 0 and g = 1, 3,000 updates leave ν at 0.25 where float32 has 0.95.
     """
-    if state_dtype is not None:
-        _check_adamw_state(state_dtype)
-    check_weight_rounding(weight_rounding, None)
-
     def rule(w, slots, g, lr, count):
         mu = b1 * slots[0] + (1 - b1) * g
         nu = b2 * slots[1] + (1 - b2) * g * g
@@ -239,7 +231,16 @@ def adamw(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: f
         step = (mu / (1 - b1**t)) / (jnp.sqrt(nu / (1 - b2**t)) + eps)
         return w - lr * (step + weight_decay * w), (mu, nu)
 
-    return SparseOptimizer(2, rule, state_dtype, weight_rounding, _check_adamw_state)
+    return _checked(SparseOptimizer(2, rule, state_dtype, weight_rounding, _check_adamw_state))
+
+
+def _checked(optimizer: SparseOptimizer) -> SparseOptimizer:
+    """``optimizer``, its settings refused as it is made where they cannot work: a state dtype it was given (the
+    weight's, where it keeps that, is checked by ``init``) and the weight rounding."""
+    if optimizer.state_dtype is not None:
+        optimizer.check_state_dtype(optimizer.state_dtype)
+    check_weight_rounding(optimizer.weight_rounding, None)
+    return optimizer
 
 
 def _check_adamw_state(dtype) -> None:
