@@ -257,10 +257,11 @@ def bad_records(config, batches) -> int | None:
 def logged_metrics(metrics: dict, step: int, row_step: int, config, seconds: float, skipped: int,
                    bad_records: int | None) -> dict:
     """The row of ``metrics.jsonl`` for ``step``, ``seconds`` after the previous row (at ``row_step``), ``skipped``
-    the steps skipped up to this one (since this process started the run); warns on a bad step."""
+    the steps skipped up to this one (since this process started the run), ``bad_records`` the skipped records
+    (``None`` where records are not skipped: no column); warns on a bad step."""
     row = {k: float(metrics[k]) for k in ("loss", "lr", "grad_norm", "loss_scale")}
     row.update(img_per_s=(step - row_step) * config.batch_size / seconds, skipped_steps=skipped)
-    if config.data.bad_records == "skip":
+    if bad_records is not None:  # counted where they are skipped
         row["bad_records"] = bad_records
     if not metrics["finite"]:
         log.warning("step %d: non-finite loss, gradient or update; update skipped%s", step,
