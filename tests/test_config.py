@@ -9,16 +9,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from absl import flags
 
 from jaxcls.config import (NAMED_CHOICES, RANGES, RESUMABLE_KEYS, base_config, check_batchnorm_rows, check_config_flags,
-                           check_keys, define_config_flag, flat_keys, from_json, get_key, plain, resume_differences,
+                           check_keys, flat_keys, from_json, get_key, plain, resume_differences,
                            validate)
 from jaxcls.eval.evaluator import eval_bin_paths
 from jaxcls.fc import DEFAULT_CHUNK
 from jaxcls.run import build
 from jaxcls.train import train
-from tiny import get_config as tiny_config
+from tiny import from_command_line, get_config as tiny_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.py"))
 
@@ -83,13 +82,9 @@ def test_a_face_recipes_batch_set_on_the_command_line_keeps_its_epochs(monkeypat
     5,179,510 images (809,280 steps, not the 101,160 of batch 1,024); a step count given as well is taken as given."""
     path = Path(__file__).resolve().parents[1] / "configs" / "ms1mv3_r50.py"
     for extra, steps in [([], 5_179_510 // 128 * 20), (["--config.total_steps=500"], 500)]:
-        argv = ["train", "--config", str(path), "--config.batch_size=128", *extra]
-        values = flags.FlagValues()
-        monkeypatch.setattr(sys, "argv", argv)  # where ml_collections looks for the overrides it defines
-        define_config_flag(values)
-        values(argv)
-        assert (values.config.batch_size, values.config.total_steps) == (128, steps)
-        assert from_json(values.config.to_json_best_effort()).total_steps == steps  # saved as the number
+        config = from_command_line(monkeypatch, "--config.batch_size=128", *extra, config=path)
+        assert (config.batch_size, config.total_steps) == (128, steps)
+        assert from_json(config.to_json_best_effort()).total_steps == steps  # saved as the number
     c = load(path)
     c.batch_size, c.warmup_steps = 2048, 7
     assert (c.total_steps, c.warmup_steps) == (5_179_510 // 2048 * 20, 7)
@@ -228,11 +223,7 @@ def test_command_line_keys_are_checked_with_the_closest_valid_key(tmp_path):
 def test_list_valued_keys_are_settable_from_the_command_line(monkeypatch):
     for argv, expected in [(["--config.eval_bins=a.bin", "--config.eval_bins=b.bin"], ("a.bin", "b.bin")),
                            (["--config.eval_bins=('lfw.bin', 'cfp_fp.bin')"], ("lfw.bin", "cfp_fp.bin"))]:
-        values, argv = flags.FlagValues(), ["train", "--config", str(Path(__file__).parent / "tiny.py"), *argv]
-        monkeypatch.setattr(sys, "argv", argv)  # where ml_collections looks for the overrides it defines
-        define_config_flag(values)
-        values(argv)
-        assert values.config.eval_bins == expected
+        assert from_command_line(monkeypatch, *argv).eval_bins == expected
 
 
 def test_a_config_that_changes_its_small_r18_changes_no_other():
@@ -244,17 +235,12 @@ def test_a_config_that_changes_its_small_r18_changes_no_other():
 def test_free_form_keys_can_be_added_from_the_command_line(monkeypatch):
     """``model_kwargs`` and ``data.procedural`` go to constructors as they are: ``--config.model_kwargs.dropout``
     adds a key the config file lacks (a bare AttributeError before), its value read as a literal."""
-    argv = ["train", "--config", str(Path(__file__).parent / "tiny.py"), "--config.model_kwargs.dropout=0.2",
-            "--config.model_kwargs.width", "24", "--config.model_kwargs.act=prelu", "--noconfig.model_kwargs.bias",
-            "--config.data.procedural.size=8", "--config.lr=0.2"]
-    values = flags.FlagValues()
-    monkeypatch.setattr(sys, "argv", argv)  # where ml_collections looks for the overrides it defines
-    define_config_flag(values)
-    check_config_flags(argv)
-    values(argv)
-    assert values.config.model_kwargs.to_dict() == dict(width=24, stages=[1, 1, 1, 2], dropout=0.2, act="prelu",
+    config = from_command_line(monkeypatch, "--config.model_kwargs.dropout=0.2", "--config.model_kwargs.width", "24",
+                               "--config.model_kwargs.act=prelu", "--noconfig.model_kwargs.bias",
+                               "--config.data.procedural.size=8", "--config.lr=0.2")
+    assert config.model_kwargs.to_dict() == dict(width=24, stages=[1, 1, 1, 2], dropout=0.2, act="prelu",
                                                         bias=False)
-    assert values.config.data.procedural.size == 8 and values.config.lr == 0.2
+    assert config.data.procedural.size == 8 and config.lr == 0.2
 
 
 def test_saved_config_reads_back_and_old_ones_get_new_defaults():

@@ -1,19 +1,15 @@
 """Building a run from a config: state created in its shardings, abstract state, margins, summary."""
 
-import sys
-from pathlib import Path
-
 import jax
 import numpy as np
 import pytest
-from absl import flags
 from PIL import Image
 
 from jaxcls import weight_sharding
-from jaxcls.config import check_config_flags, define_config_flag, validate
+from jaxcls.config import validate
 from jaxcls.losses import MARGINS, CombinedMargin
 from jaxcls.run import build, make_margin
-from tiny import get_config as tiny_config
+from tiny import from_command_line, get_config as tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -106,15 +102,9 @@ def test_margin_from_config_honours_every_field(name, straight_through):
 def test_combined_margin_from_the_command_line_is_arcface_torchs_margin_list(monkeypatch):
     """``m = (m1, m2, m3)`` as arcface_torch's ``margin_list``, set on the command line over a config whose margin is
     a family with one number; the run's summary names it."""
-    argv = ["train", "--config", str(Path(__file__).parent / "tiny.py"), "--config.margin.name=combined",
-            "--config.margin.m=(1.1,0.25,0.15)"]
-    values = flags.FlagValues()
-    monkeypatch.setattr(sys, "argv", argv)  # where ml_collections looks for the overrides it defines
-    define_config_flag(values)
-    check_config_flags(argv)
-    values(argv)
-    assert make_margin(values.config.margin) == CombinedMargin(s=16.0, m1=1.1, m2=0.25, m3=0.15)
-    run = build(values.config, with_data=False)
+    config = from_command_line(monkeypatch, "--config.margin.name=combined", "--config.margin.m=(1.1,0.25,0.15)")
+    assert make_margin(config.margin) == CombinedMargin(s=16.0, m1=1.1, m2=0.25, m3=0.15)
+    run = build(config, with_data=False)
     assert "combined s=16 m=(1.1, 0.25, 0.15)" in "\n".join(run.summary())
 
 

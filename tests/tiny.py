@@ -48,3 +48,19 @@ def saved_run(workdir, config, rng=None, step=1):
     checkpoints.save(step, state, {})
     checkpoints.close()
     return state
+
+
+def from_command_line(monkeypatch, *args, config=__file__):
+    """The config ``jaxcls.train --config <config> <args>`` reads, its flags checked as the command line checks them."""
+    import sys
+
+    from absl import flags
+
+    from jaxcls.config import check_config_flags, define_config_flag
+
+    argv, values = ["train", "--config", str(config), *args], flags.FlagValues()
+    monkeypatch.setattr(sys, "argv", argv)  # where ml_collections looks for the overrides it defines
+    define_config_flag(values)
+    check_config_flags(argv)
+    values(argv)
+    return values.config
